@@ -1,0 +1,141 @@
+// The Python module ocria_rt._core: thin bindings over include/ocria_rt (no logic here).
+#include <pybind11/functional.h>
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "ocria_rt/engine.h"
+
+namespace py = pybind11;
+using namespace ocria_rt;
+
+void register_op_runner(py::module_& m);  // op_runner.cpp
+
+namespace {
+
+// ocria_rt.Error -> the matching Python exception class of ocria_rt.errors.
+void translate_errors() {
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const Error& e) {
+      static const char* names[] = {"InvalidArgumentError", "FileError", "ModelError", "ResourceError", "DeviceError", "InternalError"};
+      py::object cls = py::module_::import("ocria_rt.errors").attr(names[int(e.code())]);
+      PyErr_SetString(cls.ptr(), e.what());
+    }
+  });
+}
+
+py::dict config_to_dict(const ModelConfig& c) {
+  py::dict d;
+  d["model_type"] = c.model_type;
+  d["has_vision"] = c.has_vision;
+  d["vocab_size"] = c.vocab_size;
+  d["hidden_size"] = c.hidden_size;
+  d["intermediate_size"] = c.intermediate_size;
+  d["num_layers"] = c.num_layers;
+  d["full_attention"] = c.full_attention;
+  d["num_attention_heads"] = c.num_attention_heads;
+  d["num_key_value_heads"] = c.num_key_value_heads;
+  d["head_dim"] = c.head_dim;
+  d["rotary_dim"] = c.rotary_dim;
+  d["rope_theta"] = c.rope_theta;
+  d["linear_num_key_heads"] = c.linear_num_key_heads;
+  d["linear_num_value_heads"] = c.linear_num_value_heads;
+  d["linear_key_head_dim"] = c.linear_key_head_dim;
+  d["linear_value_head_dim"] = c.linear_value_head_dim;
+  d["tie_word_embeddings"] = c.tie_word_embeddings;
+  d["max_position_embeddings"] = c.max_position_embeddings;
+  d["eos_token_ids"] = c.eos_token_ids;
+  return d;
+}
+
+SamplingParams make_params(int64_t max_new_tokens, float temperature, int64_t top_k, float top_p, uint64_t seed,
+                           std::vector<int32_t> stop) {
+  SamplingParams sp;
+  sp.max_new_tokens = max_new_tokens;
+  sp.temperature = temperature;
+  sp.top_k = top_k;
+  sp.top_p = top_p;
+  sp.seed = seed;
+  sp.stop_token_ids = std::move(stop);
+  return sp;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "ocria_rt native core";
+  translate_errors();
+  m.def("version", &version);
+  m.def("built_with_cuda", &built_with_cuda);
+  m.def("load_config", [](const std::string& dir) { return config_to_dict(load_model_config(dir)); });
+
+  py::class_<GenerationResult>(m, "GenerationResult")
+      .def_readonly("token_ids", &GenerationResult::token_ids)
+      .def_readonly("finish_reason", &GenerationResult::finish_reason)
+      .def_readonly("prompt_tokens", &GenerationResult::prompt_tokens)
+      .def_readonly("prefill_seconds", &GenerationResult::prefill_seconds)
+      .def_readonly("decode_seconds", &GenerationResult::decode_seconds);
+
+  py::class_<Engine>(m, "Engine")
+      .def(py::init([](const std::string& dir, const std::string& device, int64_t max_context, int64_t prefill_chunk,
+                       int num_threads, bool cuda_graphs) {
+             EngineOptions o;
+             o.device = device;
+             o.max_context = max_context;
+             o.prefill_chunk = prefill_chunk;
+             o.num_threads = num_threads;
+             o.cuda_graphs = cuda_graphs;
+             py::gil_scoped_release release;
+             return Engine::create(dir, o);
+           }),
+           py::arg("model_dir"), py::arg("device") = "cpu", py::arg("max_context") = 0, py::arg("prefill_chunk") = 0,
+           py::arg("num_threads") = 0, py::arg("cuda_graphs") = true)
+      .def_property_readonly("config", [](const Engine& e) { return config_to_dict(e.config()); })
+      .def_property_readonly("max_context", &Engine::max_context)
+      .def("stats", [](const Engine& e) {
+        EngineStats s = e.stats();
+        py::dict d;
+        d["device"] = s.device;
+        d["backend"] = s.backend_name;
+        d["weight_bytes"] = s.weight_bytes;
+        d["state_bytes"] = s.state_bytes;
+        d["workspace_bytes"] = s.workspace_bytes;
+        d["launches_per_decode_step"] = s.launches_per_decode_step;
+        d["kernels_per_decode_step"] = s.kernels_per_decode_step;
+        return d;
+      })
+      .def("score", [](Engine& e, const std::vector<int32_t>& ids) {
+        std::vector<float> logits;
+        {
+          py::gil_scoped_release release;
+          logits = e.score(ids);
+        }
+        const int64_t V = e.config().vocab_size;
+        py::array_t<float> out({int64_t(ids.size()), V});
+        std::copy(logits.begin(), logits.end(), out.mutable_data());
+        return out;
+      }, py::arg("token_ids"))
+      .def("start", [](Engine& e, const std::vector<int32_t>& ids, int64_t max_new_tokens, float temperature, int64_t top_k,
+                       float top_p, uint64_t seed, std::vector<int32_t> stop) {
+             py::gil_scoped_release release;
+             e.start(ids, make_params(max_new_tokens, temperature, top_k, top_p, seed, std::move(stop)));
+           },
+           py::arg("token_ids"), py::arg("max_new_tokens"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
+           py::arg("seed"), py::arg("stop_token_ids"))
+      .def("next_token", [](Engine& e) {
+        py::gil_scoped_release release;
+        return e.next_token();
+      })
+      .def_property_readonly("last_prefill_seconds", &Engine::last_prefill_seconds)
+      .def("generate", [](Engine& e, const std::vector<int32_t>& ids, int64_t max_new_tokens, float temperature, int64_t top_k,
+                          float top_p, uint64_t seed, std::vector<int32_t> stop) {
+             py::gil_scoped_release release;
+             return e.generate(ids, make_params(max_new_tokens, temperature, top_k, top_p, seed, std::move(stop)));
+           },
+           py::arg("token_ids"), py::arg("max_new_tokens"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
+           py::arg("seed"), py::arg("stop_token_ids"));
+
+  register_op_runner(m);
+}

@@ -1,0 +1,168 @@
+// OpRunner: each Backend op on numpy arrays, for the op tests (CPU vs CUDA, fresh random inputs).
+// Inputs arrive as fp32 (or int32) arrays and are converted to the backend's dtypes; every output is
+// poisoned with NaN before the op runs, and comes back as fp32.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cmath>
+#include <vector>
+
+#include "ops/ops.h"
+
+namespace py = pybind11;
+using namespace ocria_rt;
+
+namespace {
+
+using F32Array = py::array_t<float, py::array::c_style | py::array::forcecast>;
+using I32Array = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+
+class OpRunner {
+ public:
+  explicit OpRunner(const std::string& device)
+      : be_(device == "cpu" ? make_cpu_backend(0) : make_cuda_backend(device == "cuda" ? 0 : std::stoi(device.substr(5)))) {}
+  ~OpRunner() {
+    for (void* p : allocations_) be_->release(p);
+  }
+  const char* name() const { return be_->name(); }
+
+  // Device tensor of `dtype` holding `a` (shape taken from a), or poisoned if a is null.
+  Tensor upload(const F32Array& a, DType dtype) {
+    Tensor t = alloc_like(a.request().shape, dtype);
+    be_->copy_from_host(t, a.data(), DType::F32);
+    return t;
+  }
+  Tensor upload_i32(const I32Array& a) {
+    Tensor t = alloc_like(a.request().shape, DType::I32);
+    be_->copy_from_host(t, a.data(), DType::I32);
+    return t;
+  }
+  Tensor poisoned(const std::vector<py::ssize_t>& shape, DType dtype) {
+    Tensor t = alloc_like(shape, dtype);
+    std::vector<float> nan(size_t(t.numel()), NAN);
+    be_->copy_from_host(t, nan.data(), DType::F32);
+    return t;
+  }
+  py::array_t<float> download(const Tensor& t) {
+    std::vector<py::ssize_t> shape(t.shape, t.shape + t.ndim);
+    py::array_t<float> out(shape);
+    be_->copy_to_host(out.mutable_data(), t);
+    return out;
+  }
+  py::array_t<int32_t> download_i32(const Tensor& t) {
+    std::vector<py::ssize_t> shape(t.shape, t.shape + t.ndim);
+    py::array_t<int32_t> out(shape);
+    be_->copy_to_host(out.mutable_data(), t);
+    return out;
+  }
+  DType act() const { return be_->activation_dtype(); }
+  DType wt() const { return be_->weight_dtype(); }
+  Backend& be() { return *be_; }
+
+ private:
+  Tensor alloc_like(const std::vector<py::ssize_t>& shape, DType dtype) {
+    if (shape.empty() || shape.size() > 4) throw Error(ErrorCode::kInvalidArgument, "OpRunner: arrays must have 1 to 4 dimensions");
+    Tensor t(nullptr, dtype, be_->device(), {});
+    t.ndim = int(shape.size());
+    for (int i = 0; i < t.ndim; ++i) t.shape[i] = shape[i];
+    t.row_stride = t.row_size();
+    t.data = be_->allocate(std::max<size_t>(t.nbytes(), 16));
+    allocations_.push_back(t.data);
+    return t;
+  }
+  std::unique_ptr<Backend> be_;
+  std::vector<void*> allocations_;
+};
+
+AttentionParams attn_params(int64_t hq, int64_t hkv, int64_t hd, int64_t rot, float theta, float eps) {
+  return {hq, hkv, hd, rot, theta, eps, float(1.0 / std::sqrt(double(hd)))};
+}
+GdnParams gdn_params(int64_t hk, int64_t hv, int64_t dk, int64_t dv, float eps) { return {hk, hv, dk, dv, 4, eps}; }
+
+}  // namespace
+
+void register_op_runner(py::module_& m) {
+  py::class_<OpRunner>(m, "OpRunner", "Runs single ops of a backend on numpy arrays (for tests).")
+      .def(py::init<const std::string&>(), py::arg("device"))
+      .def_property_readonly("name", &OpRunner::name)
+      .def("embedding", [](OpRunner& r, F32Array table, I32Array ids) {
+        Tensor t = r.upload(table, r.wt()), i = r.upload_i32(ids), out = r.poisoned({ids.shape(0), table.shape(1)}, r.act());
+        r.be().embedding(t, i, out);
+        return r.download(out);
+      })
+      .def("linear", [](OpRunner& r, F32Array x, F32Array w) {
+        LinearWeight lw;
+        lw.weight = r.upload(w, r.wt());
+        Tensor xt = r.upload(x, r.act()), out = r.poisoned({x.shape(0), w.shape(0)}, r.act());
+        r.be().linear(xt, lw, out);
+        return r.download(out);
+      })
+      .def("rms_norm", [](OpRunner& r, F32Array x, F32Array w, float eps) {
+        Tensor xt = r.upload(x, r.act()), out = r.poisoned({x.shape(0), x.shape(1)}, r.act());
+        r.be().rms_norm(xt, r.upload(w, DType::F32), out, eps);
+        return r.download(out);
+      })
+      .def("add_rms_norm", [](OpRunner& r, F32Array residual, F32Array delta, F32Array w, float eps) {
+        Tensor res = r.upload(residual, r.act()), out = r.poisoned({residual.shape(0), residual.shape(1)}, r.act());
+        r.be().add_rms_norm(res, r.upload(delta, r.act()), r.upload(w, DType::F32), out, eps);
+        return py::make_tuple(r.download(res), r.download(out));
+      })
+      .def("silu_mul", [](OpRunner& r, F32Array gate_up) {
+        Tensor out = r.poisoned({gate_up.shape(0), gate_up.shape(1) / 2}, r.act());
+        r.be().silu_mul(r.upload(gate_up, r.act()), out);
+        return r.download(out);
+      })
+      .def("attention_prepare",
+           [](OpRunner& r, F32Array qkv, F32Array q_norm, F32Array k_norm, I32Array positions, F32Array k_cache,
+              F32Array v_cache, int64_t hq, int64_t hkv, int64_t hd, int64_t rot, float theta, float eps) {
+             AttentionParams p = attn_params(hq, hkv, hd, rot, theta, eps);
+             Tensor q = r.poisoned({qkv.shape(0), hq, hd}, r.act());
+             Tensor kc = r.upload(k_cache, r.act()), vc = r.upload(v_cache, r.act());
+             r.be().attention_prepare(r.upload(qkv, r.act()), r.upload(q_norm, DType::F32), r.upload(k_norm, DType::F32),
+                                      r.upload_i32(positions), p, q, kc, vc);
+             return py::make_tuple(r.download(q), r.download(kc), r.download(vc));
+           })
+      .def("attention",
+           [](OpRunner& r, F32Array q, F32Array k_cache, F32Array v_cache, F32Array qkv, I32Array positions, int64_t hq,
+              int64_t hkv, int64_t hd) {
+             AttentionParams p = attn_params(hq, hkv, hd, hd, 10000.0f, 1e-6f);
+             Tensor out = r.poisoned({q.shape(0), hq * hd}, r.act());
+             r.be().attention(r.upload(q, r.act()), r.upload(k_cache, r.act()), r.upload(v_cache, r.act()),
+                              r.upload(qkv, r.act()), r.upload_i32(positions), p, out);
+             return r.download(out);
+           })
+      .def("gdn_conv", [](OpRunner& r, F32Array x, F32Array w, F32Array state) {
+        Tensor st = r.upload(state, DType::F32), out = r.poisoned({x.shape(0), x.shape(1)}, r.act());
+        r.be().gdn_conv(r.upload(x, r.act()), r.upload(w, DType::F32), st, out);
+        return py::make_tuple(r.download(out), r.download(st));
+      })
+      .def("gdn",
+           [](OpRunner& r, F32Array qkv, F32Array ba, F32Array A_log, F32Array dt_bias, F32Array state, int64_t hk,
+              int64_t hv, int64_t dk, int64_t dv, bool chunked) {
+             GdnParams p = gdn_params(hk, hv, dk, dv, 1e-6f);
+             Tensor st = r.upload(state, DType::F32), out = r.poisoned({qkv.shape(0), hv * dv}, r.act());
+             Tensor q = r.upload(qkv, r.act()), b = r.upload(ba, r.act()), a = r.upload(A_log, DType::F32),
+                    d = r.upload(dt_bias, DType::F32);
+             if (chunked) r.be().gdn_chunked(q, b, a, d, st, p, out);
+             else r.be().gdn_recurrent(q, b, a, d, st, p, out);
+             return py::make_tuple(r.download(out), r.download(st));
+           },
+           py::arg("qkv"), py::arg("ba"), py::arg("A_log"), py::arg("dt_bias"), py::arg("state"), py::arg("hk"),
+           py::arg("hv"), py::arg("dk"), py::arg("dv"), py::arg("chunked"))
+      .def("gdn_gated_norm", [](OpRunner& r, F32Array o, F32Array z, F32Array w, int64_t hv, int64_t dv, float eps) {
+        GdnParams p = gdn_params(1, hv, 1, dv, eps);
+        Tensor out = r.poisoned({o.shape(0), o.shape(1)}, r.act());
+        r.be().gdn_gated_norm(r.upload(o, r.act()), r.upload(z, r.act()), r.upload(w, DType::F32), p, out);
+        return r.download(out);
+      })
+      .def("sample", [](OpRunner& r, F32Array logits, float temperature, int32_t top_k, float top_p, uint64_t seed,
+                        int32_t step) {
+        SamplerConfig c{temperature, top_k, top_p, seed};
+        I32Array step_arr(std::vector<py::ssize_t>{1});
+        step_arr.mutable_data()[0] = step;
+        Tensor st = r.upload_i32(step_arr), tok = r.upload_i32(I32Array(std::vector<py::ssize_t>{logits.shape(0)}));
+        r.be().sample(r.upload(logits, DType::F32), c, st, tok);
+        return py::make_tuple(r.download_i32(tok), r.download_i32(st)[0]);
+      });
+}

@@ -1,0 +1,227 @@
+// The engine: owns the backend, the weights, one sequence's caches and the decode loop.
+#include "ocria_rt/engine.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <memory>
+
+#include "core/arena.h"
+#include "core/safetensors.h"
+#include "model/qwen35.h"
+#include "ops/ops.h"
+
+namespace ocria_rt {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+constexpr int64_t kDefaultMaxContext = 32768;
+constexpr int64_t kLogitRows = 16;  // score() computes logits this many rows at a time
+
+std::unique_ptr<Backend> make_backend(const EngineOptions& o) {
+  if (o.device == "cpu") return make_cpu_backend(o.num_threads);
+  if (o.device == "cuda") return make_cuda_backend(0);
+  if (o.device.rfind("cuda:", 0) == 0) {
+    const std::string idx = o.device.substr(5);
+    if (!idx.empty() && idx.size() < 4 && std::all_of(idx.begin(), idx.end(), ::isdigit))
+      return make_cuda_backend(std::stoi(idx));
+  }
+  throw Error(ErrorCode::kInvalidArgument, "device '" + o.device + "' is not one of 'cpu', 'cuda', 'cuda:N'");
+}
+
+class EngineImpl final : public Engine {
+ public:
+  EngineImpl(const std::string& model_dir, const EngineOptions& opt)
+      : config_(load_model_config(model_dir)), backend_(make_backend(opt)) {
+    if (opt.max_context < 0) throw Error(ErrorCode::kInvalidArgument, "max_context must be >= 0, got " + std::to_string(opt.max_context));
+    if (opt.prefill_chunk < 0) throw Error(ErrorCode::kInvalidArgument, "prefill_chunk must be >= 0, got " + std::to_string(opt.prefill_chunk));
+    max_context_ = opt.max_context > 0 ? opt.max_context : std::min(config_.max_position_embeddings, kDefaultMaxContext);
+    prefill_chunk_ = std::min(opt.prefill_chunk > 0 ? opt.prefill_chunk : 512, max_context_);
+
+    weights_ = std::make_unique<Arena>(*backend_);
+    state_arena_ = std::make_unique<Arena>(*backend_);
+    work_ = std::make_unique<Arena>(*backend_);
+    {
+      Checkpoint ck = Checkpoint::open(model_dir);  // mapped only while the weights are loaded
+      model_ = std::make_unique<Qwen35Model>(config_, ck, *backend_, *weights_);
+    }
+    state_ = model_->make_state(*state_arena_, max_context_);
+    ws_ = model_->make_workspace(*work_, prefill_chunk_);
+    ids_ = work_->alloc(DType::I32, {prefill_chunk_});
+    positions_ = work_->alloc(DType::I32, {prefill_chunk_});
+    logits_ = work_->alloc(backend_->activation_dtype(), {kLogitRows, config_.vocab_size});
+    step_ = work_->alloc(DType::I32, {1});
+    token_ = work_->alloc(DType::I32, {1});
+    backend_->synchronize();
+  }
+
+  const ModelConfig& config() const override { return config_; }
+  int64_t max_context() const override { return max_context_; }
+
+  EngineStats stats() const override {
+    EngineStats s;
+    s.device = backend_->device() == DeviceKind::CPU ? "cpu" : "cuda";
+    s.backend_name = backend_->name();
+    s.weight_bytes = int64_t(weights_->bytes_used());
+    s.state_bytes = int64_t(state_arena_->bytes_used());
+    s.workspace_bytes = int64_t(work_->bytes_used());
+    s.kernels_per_decode_step = 0;  // counted by the CUDA backend
+    s.launches_per_decode_step = 0;
+    return s;
+  }
+
+  std::vector<float> score(const std::vector<int32_t>& tokens) override {
+    validate_tokens(tokens, "score");
+    active_ = false;
+    model_->reset(state_);
+    const int64_t n = int64_t(tokens.size()), V = config_.vocab_size;
+    std::vector<float> out(size_t(n * V));
+    for (int64_t c0 = 0; c0 < n; c0 += prefill_chunk_) {
+      const int64_t T = std::min(prefill_chunk_, n - c0);
+      run_forward(tokens.data() + c0, c0, T);
+      for (int64_t r0 = 0; r0 < T; r0 += kLogitRows) {
+        const int64_t R = std::min(kLogitRows, T - r0);
+        model_->logits(ws_.normed.rows(r0, R), logits_.rows(0, R));
+        backend_->copy_to_host(out.data() + (c0 + r0) * V, logits_.rows(0, R));
+      }
+    }
+    return out;
+  }
+
+  void start(const std::vector<int32_t>& prompt, const SamplingParams& sp) override {
+    validate_tokens(prompt, "prompt");
+    if (sp.max_new_tokens <= 0)
+      throw Error(ErrorCode::kInvalidArgument, "max_new_tokens must be positive, got " + std::to_string(sp.max_new_tokens));
+    if (int64_t(prompt.size()) + sp.max_new_tokens > max_context_)
+      throw Error(ErrorCode::kInvalidArgument, "prompt (" + std::to_string(prompt.size()) + " tokens) + max_new_tokens (" +
+                                                   std::to_string(sp.max_new_tokens) + ") exceeds the context limit of " +
+                                                   std::to_string(max_context_) + " tokens");
+    if (!(sp.temperature >= 0) || !std::isfinite(sp.temperature))
+      throw Error(ErrorCode::kInvalidArgument, "temperature must be a finite number >= 0");
+    if (sp.top_k < 0) throw Error(ErrorCode::kInvalidArgument, "top_k must be >= 0 (0: no limit)");
+    if (!(sp.top_p > 0 && sp.top_p <= 1)) throw Error(ErrorCode::kInvalidArgument, "top_p must be in (0, 1]");
+    for (int32_t t : sp.stop_token_ids)
+      if (t < 0 || t >= config_.vocab_size)
+        throw Error(ErrorCode::kInvalidArgument, "stop token id " + std::to_string(t) + " is outside the vocabulary");
+
+    const auto t0 = Clock::now();
+    active_ = false;
+    sampler_ = {sp.temperature, int32_t(std::min<int64_t>(sp.top_k, config_.vocab_size)), sp.top_p, sp.seed};
+    remaining_ = sp.max_new_tokens;
+    model_->reset(state_);
+    const int32_t zero = 0;
+    backend_->copy_from_host(step_, &zero, DType::I32);
+    const int64_t n = int64_t(prompt.size());
+    for (int64_t c0 = 0; c0 < n; c0 += prefill_chunk_) run_forward(prompt.data() + c0, c0, std::min(prefill_chunk_, n - c0));
+    const int64_t last = (n - 1) % prefill_chunk_;
+    pending_ = sample_from(ws_.normed.rows(last, 1));
+    position_ = n;
+    active_ = true;
+    first_ = true;
+    prefill_seconds_ = seconds_since(t0);
+  }
+
+  int32_t next_token() override {
+    if (!active_) throw Error(ErrorCode::kInvalidArgument, "next_token() called without start() or after the sequence ended");
+    if (!first_) {
+      run_forward(&pending_, position_, 1);
+      ++position_;
+      pending_ = sample_from(ws_.normed.rows(0, 1));
+    }
+    first_ = false;
+    if (--remaining_ == 0) active_ = false;
+    return pending_;
+  }
+
+  double last_prefill_seconds() const override { return prefill_seconds_; }
+
+ private:
+  void validate_tokens(const std::vector<int32_t>& tokens, const char* what) const {
+    if (tokens.empty()) throw Error(ErrorCode::kInvalidArgument, std::string(what) + " is empty: at least one token is needed");
+    if (int64_t(tokens.size()) > max_context_)
+      throw Error(ErrorCode::kInvalidArgument, std::string(what) + " has " + std::to_string(tokens.size()) +
+                                                   " tokens, more than the context limit of " + std::to_string(max_context_));
+    for (size_t i = 0; i < tokens.size(); ++i)
+      if (tokens[i] < 0 || tokens[i] >= config_.vocab_size)
+        throw Error(ErrorCode::kInvalidArgument, std::string(what) + ": token id " + std::to_string(tokens[i]) + " at index " +
+                                                     std::to_string(i) + " is outside the vocabulary [0, " +
+                                                     std::to_string(config_.vocab_size) + ")");
+  }
+
+  void run_forward(const int32_t* tokens, int64_t start_pos, int64_t T) {
+    std::vector<int32_t> pos(static_cast<size_t>(T));
+    for (int64_t i = 0; i < T; ++i) pos[i] = int32_t(start_pos + i);
+    backend_->copy_from_host(ids_.rows(0, T), tokens, DType::I32);
+    backend_->copy_from_host(positions_.rows(0, T), pos.data(), DType::I32);
+    model_->forward(ids_.rows(0, T), positions_.rows(0, T), state_, ws_, /*chunked_gdn=*/T > 1);
+  }
+
+  int32_t sample_from(const Tensor& hidden_row) {
+    model_->logits(hidden_row, logits_.rows(0, 1));
+    backend_->sample(logits_.rows(0, 1), sampler_, step_, token_);
+    int32_t tok = 0;
+    backend_->copy_to_host(&tok, token_);
+    return tok;
+  }
+
+  ModelConfig config_;
+  std::unique_ptr<Backend> backend_;
+  std::unique_ptr<Arena> weights_, state_arena_, work_;
+  std::unique_ptr<Qwen35Model> model_;
+  SequenceState state_;
+  Workspace ws_;
+  Tensor ids_, positions_, logits_, step_, token_;
+  int64_t max_context_ = 0, prefill_chunk_ = 0;
+
+  SamplerConfig sampler_;
+  bool active_ = false, first_ = false;
+  int32_t pending_ = 0;
+  int64_t position_ = 0, remaining_ = 0;
+  double prefill_seconds_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<Engine> Engine::create(const std::string& model_dir, const EngineOptions& options) {
+  return std::make_unique<EngineImpl>(model_dir, options);
+}
+
+GenerationResult Engine::generate(const std::vector<int32_t>& prompt, const SamplingParams& params,
+                                  const std::function<bool(int32_t)>& on_token) {
+  GenerationResult r;
+  start(prompt, params);
+  r.prompt_tokens = int64_t(prompt.size());
+  r.prefill_seconds = last_prefill_seconds();
+  r.finish_reason = "length";
+  const auto t0 = Clock::now();
+  for (int64_t i = 0; i < params.max_new_tokens; ++i) {
+    const int32_t tok = next_token();
+    r.token_ids.push_back(tok);
+    const bool stop = std::find(params.stop_token_ids.begin(), params.stop_token_ids.end(), tok) != params.stop_token_ids.end();
+    if (on_token && !on_token(tok)) {
+      r.finish_reason = "cancelled";
+      break;
+    }
+    if (stop) {
+      r.finish_reason = "stop";
+      break;
+    }
+  }
+  r.decode_seconds = seconds_since(t0);
+  return r;
+}
+
+std::string version() { return OCRIA_RT_VERSION; }
+
+bool built_with_cuda() {
+#ifdef OCRIA_RT_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace ocria_rt

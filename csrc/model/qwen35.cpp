@@ -1,0 +1,204 @@
+#include "model/qwen35.h"
+
+#include <cmath>
+
+namespace ocria_rt {
+
+namespace {
+
+// Loads tensors from the checkpoint into backend memory, concatenating parts along dimension 0.
+class WeightLoader {
+ public:
+  WeightLoader(const Checkpoint& ck, Backend& be, Arena& arena, std::string prefix)
+      : ck_(ck), be_(be), arena_(arena), prefix_(std::move(prefix)) {}
+
+  // One tensor named prefix + name with exactly `shape` (at most 2-D here: [rows] or [rows, cols]).
+  Tensor load(const std::string& name, std::vector<int64_t> shape, DType dtype) {
+    return concat({{name, shape}}, dtype);
+  }
+  // Several [rows_i, cols] tensors stacked into one [sum rows_i, cols].
+  Tensor concat(const std::vector<std::pair<std::string, std::vector<int64_t>>>& parts, DType dtype) {
+    int64_t rows = 0;
+    std::vector<const TensorRecord*> recs;
+    for (const auto& [name, shape] : parts) {
+      recs.push_back(&ck_.require(prefix_ + name, shape));
+      rows += shape[0];
+    }
+    const std::vector<int64_t>& s0 = parts[0].second;
+    const int64_t cols = s0.size() == 1 ? 1 : s0[1];
+    Tensor t = s0.size() == 1 ? arena_.alloc(dtype, {rows}) : arena_.alloc(dtype, {rows, cols});
+    int64_t r = 0;
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const int64_t n = parts[i].second[0];
+      Tensor dst = t.rows(r, n);
+      if (dst.ndim == 1) dst = dst.view({n, 1});
+      be_.copy_from_host(dst, recs[i]->data, recs[i]->dtype);
+      r += n;
+    }
+    return t;
+  }
+  LinearWeight linear(const std::vector<std::pair<std::string, std::vector<int64_t>>>& parts) {
+    LinearWeight w;
+    w.weight = concat(parts, be_.weight_dtype());
+    return w;
+  }
+
+ private:
+  const Checkpoint& ck_;
+  Backend& be_;
+  Arena& arena_;
+  std::string prefix_;
+};
+
+}  // namespace
+
+Qwen35Model::Qwen35Model(const ModelConfig& config, const Checkpoint& ck, Backend& backend, Arena& arena)
+    : cfg_(config), be_(backend) {
+  const ModelConfig& c = cfg_;
+  const int64_t H = c.hidden_size, I = c.intermediate_size, hd = c.head_dim;
+  const int64_t Hq = c.num_attention_heads, Hkv = c.num_key_value_heads;
+  const int64_t HK = c.linear_num_key_heads, HV = c.linear_num_value_heads;
+  const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, K = c.linear_conv_kernel_dim;
+  attn_ = {Hq, Hkv, hd, c.rotary_dim, float(c.rope_theta), float(c.rms_norm_eps), float(1.0 / std::sqrt(double(hd)))};
+  gdn_ = {HK, HV, dk, dv, K, float(c.rms_norm_eps)};
+  const int64_t C = gdn_.conv_dim();
+
+  // Text-only checkpoints keep the decoder under model.*, the VLM under model.language_model.*.
+  const std::string base = ck.has_prefix("model.language_model.") ? "model.language_model." : "model.";
+  WeightLoader w(ck, be_, arena, base);
+  const DType wt = be_.weight_dtype(), f32 = DType::F32;
+  embed_ = w.load("embed_tokens.weight", {c.vocab_size, H}, wt);
+  final_norm_ = w.load("norm.weight", {H}, f32);
+  if (c.tie_word_embeddings) {
+    lm_head_.weight = embed_;
+  } else {
+    lm_head_ = WeightLoader(ck, be_, arena, "").linear({{"lm_head.weight", {c.vocab_size, H}}});
+  }
+
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const std::string p = "layers." + std::to_string(i) + ".";
+    DecoderLayer L;
+    L.full_attention = c.full_attention[i];
+    L.input_norm = w.load(p + "input_layernorm.weight", {H}, f32);
+    L.post_norm = w.load(p + "post_attention_layernorm.weight", {H}, f32);
+    if (L.full_attention) {
+      const std::string a = p + "self_attn.";
+      L.attn.qkv = w.linear({{a + "q_proj.weight", {Hq * 2 * hd, H}},
+                             {a + "k_proj.weight", {Hkv * hd, H}},
+                             {a + "v_proj.weight", {Hkv * hd, H}}});
+      L.attn.o = w.linear({{a + "o_proj.weight", {H, Hq * hd}}});
+      L.attn.q_norm = w.load(a + "q_norm.weight", {hd}, f32);
+      L.attn.k_norm = w.load(a + "k_norm.weight", {hd}, f32);
+    } else {
+      const std::string g = p + "linear_attn.";
+      L.gdn.in_proj = w.linear({{g + "in_proj_qkv.weight", {C, H}},
+                                {g + "in_proj_z.weight", {HV * dv, H}},
+                                {g + "in_proj_b.weight", {HV, H}},
+                                {g + "in_proj_a.weight", {HV, H}}});
+      L.gdn.out = w.linear({{g + "out_proj.weight", {H, HV * dv}}});
+      // conv1d.weight is [C, 1, K] in the checkpoint.
+      const TensorRecord& cw = ck.require(base + g + "conv1d.weight", {C, 1, K});
+      L.gdn.conv_weight = arena.alloc(f32, {C, K});
+      be_.copy_from_host(L.gdn.conv_weight, cw.data, cw.dtype);
+      L.gdn.A_log = w.load(g + "A_log", {HV}, f32);
+      L.gdn.dt_bias = w.load(g + "dt_bias", {HV}, f32);
+      L.gdn.norm = w.load(g + "norm.weight", {dv}, f32);
+    }
+    L.gate_up = w.linear({{p + "mlp.gate_proj.weight", {I, H}}, {p + "mlp.up_proj.weight", {I, H}}});
+    L.down = w.linear({{p + "mlp.down_proj.weight", {H, I}}});
+    layers_.push_back(std::move(L));
+  }
+}
+
+SequenceState Qwen35Model::make_state(Arena& arena, int64_t max_context) const {
+  SequenceState s;
+  s.max_context = max_context;
+  const DType act = be_.activation_dtype();
+  for (const DecoderLayer& L : layers_) {
+    SequenceState::Layer sl;
+    if (L.full_attention) {
+      sl.k_cache = arena.alloc(act, {max_context, attn_.num_kv_heads, attn_.head_dim});
+      sl.v_cache = arena.alloc(act, {max_context, attn_.num_kv_heads, attn_.head_dim});
+    } else {
+      sl.conv_state = arena.alloc(DType::F32, {gdn_.conv_dim(), gdn_.conv_kernel - 1});
+      sl.recurrent = arena.alloc(DType::F32, {gdn_.num_v_heads, gdn_.k_head_dim, gdn_.v_head_dim});
+    }
+    s.layers.push_back(sl);
+  }
+  reset(s);
+  return s;
+}
+
+void Qwen35Model::reset(SequenceState& s) const {
+  for (auto& sl : s.layers) {
+    if (sl.conv_state.defined()) be_.fill_zero(sl.conv_state);
+    if (sl.recurrent.defined()) be_.fill_zero(sl.recurrent);
+  }
+}
+
+Workspace Qwen35Model::make_workspace(Arena& arena, int64_t T) const {
+  const ModelConfig& c = cfg_;
+  const DType act = be_.activation_dtype();
+  const int64_t H = c.hidden_size, vdim = gdn_.num_v_heads * gdn_.v_head_dim;
+  const int64_t attn_qkv = (2 * attn_.num_q_heads + 2 * attn_.num_kv_heads) * attn_.head_dim;
+  const int64_t gdn_proj = gdn_.conv_dim() + vdim + 2 * gdn_.num_v_heads;
+  Workspace ws;
+  ws.max_tokens = T;
+  ws.residual = arena.alloc(act, {T, H});
+  ws.normed = arena.alloc(act, {T, H});
+  ws.delta = arena.alloc(act, {T, H});
+  ws.proj = arena.alloc(act, {T, std::max({attn_qkv, gdn_proj, 2 * c.intermediate_size})});
+  ws.q = arena.alloc(act, {T, attn_.num_q_heads, attn_.head_dim});
+  ws.mixed = arena.alloc(act, {T, std::max({attn_.num_q_heads * attn_.head_dim, gdn_.conv_dim(), c.intermediate_size})});
+  ws.gdn_out = arena.alloc(act, {T, vdim});
+  ws.gated = arena.alloc(act, {T, vdim});
+  return ws;
+}
+
+void Qwen35Model::forward(const Tensor& ids, const Tensor& positions, SequenceState& state, Workspace& ws,
+                          bool chunked_gdn) const {
+  const int64_t T = ids.dim(0), I = cfg_.intermediate_size;
+  const float eps = float(cfg_.rms_norm_eps);
+  if (T > ws.max_tokens) throw Error(ErrorCode::kInternal, "forward: more tokens than the workspace holds");
+  Tensor x = ws.residual.rows(0, T), normed = ws.normed.rows(0, T), delta = ws.delta.rows(0, T);
+  Tensor proj = ws.proj.rows(0, T), mixed = ws.mixed.rows(0, T);
+
+  be_.embedding(embed_, ids, x);
+  be_.rms_norm(x, layers_[0].input_norm, normed, eps);
+  for (size_t li = 0; li < layers_.size(); ++li) {
+    const DecoderLayer& L = layers_[li];
+    SequenceState::Layer& S = state.layers[li];
+    if (L.full_attention) {
+      const int64_t hq = attn_.num_q_heads * attn_.head_dim;
+      Tensor qkv = proj.cols(0, L.attn.qkv.out_features());
+      Tensor q = ws.q.rows(0, T), attn_out = mixed.cols(0, hq);
+      be_.linear(normed, L.attn.qkv, qkv);
+      be_.attention_prepare(qkv, L.attn.q_norm, L.attn.k_norm, positions, attn_, q, S.k_cache, S.v_cache);
+      be_.attention(q, S.k_cache, S.v_cache, qkv, positions, attn_, attn_out);
+      be_.linear(attn_out, L.attn.o, delta);
+    } else {
+      const int64_t C = gdn_.conv_dim(), vdim = gdn_.num_v_heads * gdn_.v_head_dim, HV = gdn_.num_v_heads;
+      Tensor all = proj.cols(0, L.gdn.in_proj.out_features());
+      Tensor conv_out = mixed.cols(0, C), o = ws.gdn_out.rows(0, T), gated = ws.gated.rows(0, T);
+      be_.linear(normed, L.gdn.in_proj, all);
+      be_.gdn_conv(all.cols(0, C), L.gdn.conv_weight, S.conv_state, conv_out);
+      Tensor ba = all.cols(C + vdim, 2 * HV);
+      if (chunked_gdn) be_.gdn_chunked(conv_out, ba, L.gdn.A_log, L.gdn.dt_bias, S.recurrent, gdn_, o);
+      else be_.gdn_recurrent(conv_out, ba, L.gdn.A_log, L.gdn.dt_bias, S.recurrent, gdn_, o);
+      be_.gdn_gated_norm(o, all.cols(C, vdim), L.gdn.norm, gdn_, gated);
+      be_.linear(gated, L.gdn.out, delta);
+    }
+    be_.add_rms_norm(x, delta, L.post_norm, normed, eps);
+    // SwiGLU MLP
+    Tensor gate_up = proj.cols(0, 2 * I), act = mixed.cols(0, I);
+    be_.linear(normed, L.gate_up, gate_up);
+    be_.silu_mul(gate_up, act);
+    be_.linear(act, L.down, delta);
+    const Tensor& next_norm = li + 1 < layers_.size() ? layers_[li + 1].input_norm : final_norm_;
+    be_.add_rms_norm(x, delta, next_norm, normed, eps);
+  }
+}
+
+void Qwen35Model::logits(const Tensor& hidden, const Tensor& out) const { be_.linear(hidden, lm_head_, out); }
+
+}  // namespace ocria_rt

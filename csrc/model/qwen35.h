@@ -1,0 +1,83 @@
+// The Qwen3.5 text decoder written once as calls on a Backend: hybrid Gated DeltaNet / gated
+// attention layers, each followed by a SwiGLU MLP. Projections that read the same input are fused
+// at load time (attention q|k|v, DeltaNet qkv|z|b|a, MLP gate|up) so each is one weight stream.
+#pragma once
+#include <vector>
+
+#include "core/arena.h"
+#include "core/safetensors.h"
+#include "ocria_rt/config.h"
+#include "ops/ops.h"
+
+namespace ocria_rt {
+
+struct AttentionLayer {
+  LinearWeight qkv, o;     // qkv: [Hq*2*hd + 2*Hkv*hd, H]
+  Tensor q_norm, k_norm;   // [hd]
+};
+
+struct DeltaNetLayer {
+  LinearWeight in_proj, out;  // in_proj: [conv_dim + HV*dv + 2*HV, H] = q | k | v | z | b | a
+  Tensor conv_weight;         // [conv_dim, K]
+  Tensor A_log, dt_bias;      // [HV]
+  Tensor norm;                // [dv]
+};
+
+struct DecoderLayer {
+  bool full_attention = false;
+  Tensor input_norm, post_norm;  // [H]
+  AttentionLayer attn;
+  DeltaNetLayer gdn;
+  LinearWeight gate_up, down;    // gate_up: [2I, H]
+};
+
+// Per-sequence caches: KV rows for attention layers, conv + recurrent state for DeltaNet layers.
+struct SequenceState {
+  struct Layer {
+    Tensor k_cache, v_cache;        // [max_ctx, Hkv, hd]
+    Tensor conv_state, recurrent;   // [conv_dim, K-1], [HV, dk, dv] (F32)
+  };
+  std::vector<Layer> layers;
+  int64_t max_context = 0;
+};
+
+// Activations for up to max_tokens tokens per forward.
+struct Workspace {
+  int64_t max_tokens = 0;
+  Tensor residual, normed, delta;  // [T, H]
+  Tensor proj;                     // [T, widest fused projection]
+  Tensor q;                        // [T, Hq, hd]
+  Tensor mixed;                    // [T, max(Hq*hd, conv_dim, I)]: attention output / conv output / MLP act
+  Tensor gdn_out, gated;           // [T, HV*dv]
+};
+
+class Qwen35Model {
+ public:
+  Qwen35Model(const ModelConfig& config, const Checkpoint& checkpoint, Backend& backend, Arena& weights);
+
+  SequenceState make_state(Arena& arena, int64_t max_context) const;
+  Workspace make_workspace(Arena& arena, int64_t max_tokens) const;
+  void reset(SequenceState& state) const;  // zero the DeltaNet states (KV rows are overwritten as used)
+
+  // Runs T = ids.dim(0) tokens at `positions` (I32 [T], device) through the decoder, reading and
+  // updating `state`. Leaves the final-normed hidden states in ws.normed[0:T]. `chunked_gdn` picks
+  // the chunked DeltaNet form (prefill) over the recurrence (decode, verification).
+  void forward(const Tensor& ids, const Tensor& positions, SequenceState& state, Workspace& ws, bool chunked_gdn) const;
+  // logits [R, V] of hidden rows [R, H].
+  void logits(const Tensor& hidden, const Tensor& out) const;
+
+  const ModelConfig& config() const { return cfg_; }
+  const AttentionParams& attention_params() const { return attn_; }
+  const GdnParams& gdn_params() const { return gdn_; }
+
+ private:
+  ModelConfig cfg_;
+  Backend& be_;
+  AttentionParams attn_;
+  GdnParams gdn_;
+  Tensor embed_, final_norm_;
+  LinearWeight lm_head_;
+  std::vector<DecoderLayer> layers_;
+};
+
+}  // namespace ocria_rt

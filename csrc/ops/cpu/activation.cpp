@@ -1,0 +1,25 @@
+#include "ops/cpu/backend.h"
+
+namespace ocria_rt {
+
+void CpuBackend::add(const Tensor& residual, const Tensor& delta) {
+  const int64_t T = residual.dim(0), H = residual.row_size();
+  for (int64_t t = 0; t < T; ++t) {
+    float* r = row_f32(residual, t);
+    const float* d = row_f32(delta, t);
+    for (int64_t i = 0; i < H; ++i) r[i] += d[i];
+  }
+}
+
+void CpuBackend::silu_mul(const Tensor& gate_up, const Tensor& out) {
+  const int64_t T = out.dim(0), I = out.dim(1);
+  if (gate_up.dim(1) != 2 * I) throw Error(ErrorCode::kInternal, "silu_mul: gate_up " + gate_up.shape_str() + " vs out " + out.shape_str());
+#pragma omp parallel for num_threads(threads_) if (T > 4)
+  for (int64_t t = 0; t < T; ++t) {
+    const float* g = row_f32(gate_up, t);
+    float* o = row_f32(out, t);
+    for (int64_t i = 0; i < I; ++i) o[i] = silu(g[i]) * g[I + i];
+  }
+}
+
+}  // namespace ocria_rt

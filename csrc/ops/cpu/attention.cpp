@@ -1,0 +1,88 @@
+#include <vector>
+
+#include "ops/cpu/backend.h"
+
+namespace ocria_rt {
+
+namespace {
+
+// Zero-centred RMSNorm of one head, in place: x * rsqrt(mean(x^2) + eps) * (1 + w).
+void head_norm(float* x, const float* w, int64_t n, float eps) {
+  double ss = 0;
+  for (int64_t i = 0; i < n; ++i) ss += double(x[i]) * x[i];
+  const float inv = 1.0f / std::sqrt(float(ss / double(n)) + eps);
+  for (int64_t i = 0; i < n; ++i) x[i] = x[i] * inv * (1.0f + w[i]);
+}
+
+// Rotate-half RoPE on the first `rot` dims: pairs (i, i + rot/2) turn by angle pos * theta^(-2i/rot).
+// The angle is formed in fp32 as transformers does, then cos/sin are evaluated accurately.
+void apply_rope(float* x, int64_t rot, int32_t pos, float theta) {
+  const int64_t half = rot / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float inv_freq = 1.0f / std::pow(theta, float(2 * i) / float(rot));
+    const float angle = float(pos) * inv_freq;
+    const float c = float(std::cos(double(angle))), s = float(std::sin(double(angle)));
+    const float a = x[i], b = x[i + half];
+    x[i] = a * c - b * s;
+    x[i + half] = b * c + a * s;
+  }
+}
+
+}  // namespace
+
+void CpuBackend::attention_prepare(const Tensor& qkv, const Tensor& q_norm, const Tensor& k_norm,
+                                   const Tensor& positions, const AttentionParams& p, const Tensor& q_out,
+                                   const Tensor& k_cache, const Tensor& v_cache) {
+  const int64_t T = qkv.dim(0), Hq = p.num_q_heads, Hkv = p.num_kv_heads, hd = p.head_dim;
+  const int64_t k_off = Hq * 2 * hd, v_off = k_off + Hkv * hd;
+  const int32_t* pos = ids_i32(positions);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* src = row_f32(qkv, t);
+    for (int64_t h = 0; h < Hq; ++h) {
+      float* q = row_f32(q_out, t) + h * hd;
+      std::copy(src + h * 2 * hd, src + h * 2 * hd + hd, q);
+      head_norm(q, q_norm.ptr<const float>(), hd, p.norm_eps);
+      apply_rope(q, p.rotary_dim, pos[t], p.rope_theta);
+    }
+    for (int64_t h = 0; h < Hkv; ++h) {
+      float* k = row_f32(k_cache, pos[t]) + h * hd;
+      std::copy(src + k_off + h * hd, src + k_off + (h + 1) * hd, k);
+      head_norm(k, k_norm.ptr<const float>(), hd, p.norm_eps);
+      apply_rope(k, p.rotary_dim, pos[t], p.rope_theta);
+      std::copy(src + v_off + h * hd, src + v_off + (h + 1) * hd, row_f32(v_cache, pos[t]) + h * hd);
+    }
+  }
+}
+
+// out[t, h] = softmax(scale * q[t,h] . K[0..pos[t]]^T) V[0..pos[t]] * sigmoid(gate[t, h]).
+void CpuBackend::attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& qkv,
+                           const Tensor& positions, const AttentionParams& p, const Tensor& out) {
+  const int64_t T = q.dim(0), Hq = p.num_q_heads, hd = p.head_dim, group = Hq / p.num_kv_heads;
+  const int32_t* pos = ids_i32(positions);
+#pragma omp parallel for num_threads(threads_) schedule(dynamic)
+  for (int64_t th = 0; th < T * Hq; ++th) {
+    const int64_t t = th / Hq, h = th % Hq, g = h / group, n = int64_t(pos[t]) + 1;
+    const float* qh = row_f32(q, t) + h * hd;
+    std::vector<float> scores(n);
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) {
+      const float* kh = row_f32(k_cache, j) + g * hd;
+      float s = 0;
+      for (int64_t d = 0; d < hd; ++d) s += qh[d] * kh[d];
+      scores[j] = s * p.scale;
+      mx = std::max(mx, scores[j]);
+    }
+    double denom = 0;
+    for (int64_t j = 0; j < n; ++j) denom += scores[j] = std::exp(scores[j] - mx);
+    std::vector<double> acc(hd, 0.0);
+    for (int64_t j = 0; j < n; ++j) {
+      const float* vh = row_f32(v_cache, j) + g * hd;
+      for (int64_t d = 0; d < hd; ++d) acc[d] += double(scores[j]) * vh[d];
+    }
+    const float* gate = row_f32(qkv, t) + h * 2 * hd + hd;
+    float* o = row_f32(out, t) + h * hd;
+    for (int64_t d = 0; d < hd; ++d) o[d] = float(acc[d] / denom) * sigmoid(gate[d]);
+  }
+}
+
+}  // namespace ocria_rt

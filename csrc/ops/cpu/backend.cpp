@@ -1,0 +1,72 @@
+#include "ops/cpu/backend.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+
+#include "core/float_convert.h"
+
+namespace ocria_rt {
+
+CpuBackend::CpuBackend(int num_threads) {
+  if (num_threads < 0) throw Error(ErrorCode::kInvalidArgument, "num_threads must be >= 0 (0: all cores), got " + std::to_string(num_threads));
+  threads_ = num_threads > 0 ? num_threads : int(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+std::unique_ptr<Backend> make_cpu_backend(int num_threads) { return std::make_unique<CpuBackend>(num_threads); }
+
+void expect_cpu_f32(const Tensor& t, const char* what) {
+  if (t.device != DeviceKind::CPU || t.dtype != DType::F32)
+    throw Error(ErrorCode::kInternal, std::string("cpu op: ") + what + " must be an F32 CPU tensor");
+}
+
+void* CpuBackend::allocate(size_t bytes) {
+  constexpr size_t kAlign = 64;
+  void* p = std::aligned_alloc(kAlign, std::max(kAlign, (bytes + kAlign - 1) / kAlign * kAlign));
+  if (!p) throw Error(ErrorCode::kResourceError, "cpu: out of memory allocating " + std::to_string(bytes) + " bytes");
+  return p;
+}
+
+void CpuBackend::release(void* ptr) { std::free(ptr); }
+
+void CpuBackend::copy_from_host(const Tensor& dst, const void* src, DType src_dtype) {
+  const int64_t rows = dst.ndim == 0 ? 1 : dst.dim(0), cols = dst.ndim == 0 ? 1 : dst.row_size();
+  if (dst.dtype == DType::I32) {
+    if (src_dtype != DType::I32) throw Error(ErrorCode::kInternal, "copy_from_host: I32 destination needs I32 data");
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(dst.ptr<int32_t>() + r * dst.row_stride, static_cast<const int32_t*>(src) + r * cols, cols * 4);
+    return;
+  }
+  expect_cpu_f32(dst, "copy_from_host destination");
+#pragma omp parallel for num_threads(threads_) if (rows * cols > (1 << 16))
+  for (int64_t r = 0; r < rows; ++r) {
+    float* d = row_f32(dst, r);
+    const int64_t base = r * cols;
+    switch (src_dtype) {
+      case DType::F32: std::memcpy(d, static_cast<const float*>(src) + base, cols * 4); break;
+      case DType::BF16:
+        for (int64_t c = 0; c < cols; ++c) d[c] = bf16_to_float(static_cast<const uint16_t*>(src)[base + c]);
+        break;
+      case DType::F16:
+        for (int64_t c = 0; c < cols; ++c) d[c] = f16_to_float(static_cast<const uint16_t*>(src)[base + c]);
+        break;
+      case DType::I32:
+        for (int64_t c = 0; c < cols; ++c) d[c] = float(static_cast<const int32_t*>(src)[base + c]);
+        break;
+    }
+  }
+}
+
+void CpuBackend::copy_to_host(void* dst, const Tensor& src) {
+  const int64_t rows = src.ndim == 0 ? 1 : src.dim(0), cols = src.ndim == 0 ? 1 : src.row_size();
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(static_cast<char*>(dst) + r * cols * 4, static_cast<const char*>(src.data) + r * src.row_stride * 4, cols * 4);
+}
+
+void CpuBackend::fill_zero(const Tensor& t) {
+  const int64_t rows = t.ndim == 0 ? 1 : t.dim(0), cols = t.ndim == 0 ? 1 : t.row_size();
+  for (int64_t r = 0; r < rows; ++r)
+    std::memset(static_cast<char*>(t.data) + r * t.row_stride * dtype_size(t.dtype), 0, cols * dtype_size(t.dtype));
+}
+
+}  // namespace ocria_rt

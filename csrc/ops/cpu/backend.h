@@ -1,0 +1,63 @@
+// The CPU backend: the readable fp32 reference every other backend is tested against.
+// Ops are spread over one file per op family (linear.cpp, attention.cpp, gdn.cpp, ...); this file
+// declares the class, backend.cpp holds memory management and the thread setting.
+#pragma once
+#include <cmath>
+
+#include "ops/ops.h"
+
+namespace ocria_rt {
+
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(int num_threads);
+
+  const char* name() const override { return "cpu"; }
+  DeviceKind device() const override { return DeviceKind::CPU; }
+  DType activation_dtype() const override { return DType::F32; }
+  DType weight_dtype() const override { return DType::F32; }
+  int num_threads() const { return threads_; }
+
+  void* allocate(size_t bytes) override;
+  void release(void* ptr) override;
+  void copy_from_host(const Tensor& dst, const void* src, DType src_dtype) override;
+  void copy_to_host(void* dst, const Tensor& src) override;
+  void fill_zero(const Tensor& t) override;
+  void synchronize() override {}
+
+  void embedding(const Tensor& table, const Tensor& ids, const Tensor& out) override;
+  void linear(const Tensor& x, const LinearWeight& w, const Tensor& out) override;
+  void rms_norm(const Tensor& x, const Tensor& weight, const Tensor& out, float eps) override;
+  void add_rms_norm(const Tensor& residual, const Tensor& delta, const Tensor& weight, const Tensor& out,
+                    float eps) override;
+  void add(const Tensor& residual, const Tensor& delta) override;
+  void silu_mul(const Tensor& gate_up, const Tensor& out) override;
+  void attention_prepare(const Tensor& qkv, const Tensor& q_norm, const Tensor& k_norm, const Tensor& positions,
+                         const AttentionParams& p, const Tensor& q_out, const Tensor& k_cache,
+                         const Tensor& v_cache) override;
+  void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& qkv,
+                 const Tensor& positions, const AttentionParams& p, const Tensor& out) override;
+  void gdn_conv(const Tensor& x, const Tensor& conv_weight, const Tensor& conv_state, const Tensor& out) override;
+  void gdn_recurrent(const Tensor& qkv, const Tensor& ba, const Tensor& A_log, const Tensor& dt_bias,
+                     const Tensor& state, const GdnParams& p, const Tensor& out) override;
+  void gdn_chunked(const Tensor& qkv, const Tensor& ba, const Tensor& A_log, const Tensor& dt_bias,
+                   const Tensor& state, const GdnParams& p, const Tensor& out) override;
+  void gdn_gated_norm(const Tensor& o, const Tensor& z, const Tensor& weight, const GdnParams& p,
+                      const Tensor& out) override;
+  void sample(const Tensor& logits, const SamplerConfig& config, const Tensor& step, const Tensor& tokens) override;
+
+ private:
+  int threads_;
+};
+
+// Row r of a (possibly row-strided) fp32 / int32 tensor.
+inline float* row_f32(const Tensor& t, int64_t r) { return t.ptr<float>() + r * t.row_stride; }
+inline const int32_t* ids_i32(const Tensor& t) { return t.ptr<const int32_t>(); }
+
+// Throws Error(kInternal) unless t is an F32 tensor on the CPU.
+void expect_cpu_f32(const Tensor& t, const char* what);
+
+inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+
+}  // namespace ocria_rt

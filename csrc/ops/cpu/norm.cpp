@@ -1,0 +1,51 @@
+#include "ops/cpu/backend.h"
+
+namespace ocria_rt {
+
+namespace {
+
+// y = x * rsqrt(mean(x^2) + eps) * scale(w), over n elements.
+template <class Scale>
+void rms_normalise(const float* x, float* y, int64_t n, float eps, Scale scale) {
+  double ss = 0;
+  for (int64_t i = 0; i < n; ++i) ss += double(x[i]) * x[i];
+  const float inv = 1.0f / std::sqrt(float(ss / double(n)) + eps);
+  for (int64_t i = 0; i < n; ++i) y[i] = x[i] * inv * scale(i);
+}
+
+}  // namespace
+
+void CpuBackend::rms_norm(const Tensor& x, const Tensor& weight, const Tensor& out, float eps) {
+  expect_cpu_f32(x, "rms_norm input");
+  const int64_t D = weight.dim(0), R = x.numel() / D;
+  const float* w = weight.ptr<const float>();
+  if (x.dim(-1) != D) throw Error(ErrorCode::kInternal, "rms_norm: input " + x.shape_str() + " vs weight " + weight.shape_str());
+  const int64_t per_row = x.row_size() / D;  // norm groups in one index of dimension 0
+#pragma omp parallel for num_threads(threads_) if (R > 64)
+  for (int64_t r = 0; r < R; ++r) {
+    const float* xr = row_f32(x, r / per_row) + (r % per_row) * D;
+    float* yr = row_f32(out, r / per_row) + (r % per_row) * D;
+    rms_normalise(xr, yr, D, eps, [&](int64_t i) { return 1.0f + w[i]; });
+  }
+}
+
+void CpuBackend::add_rms_norm(const Tensor& residual, const Tensor& delta, const Tensor& weight, const Tensor& out,
+                              float eps) {
+  add(residual, delta);
+  rms_norm(residual, weight, out, eps);
+}
+
+void CpuBackend::gdn_gated_norm(const Tensor& o, const Tensor& z, const Tensor& weight, const GdnParams& p,
+                                const Tensor& out) {
+  const int64_t T = o.dim(0), HV = p.num_v_heads, dv = p.v_head_dim;
+  const float* w = weight.ptr<const float>();
+#pragma omp parallel for num_threads(threads_) if (T * HV > 64)
+  for (int64_t r = 0; r < T * HV; ++r) {
+    const int64_t t = r / HV, h = r % HV;
+    const float* zr = row_f32(z, t) + h * dv;
+    rms_normalise(row_f32(o, t) + h * dv, row_f32(out, t) + h * dv, dv, p.norm_eps,
+                  [&](int64_t i) { return w[i] * silu(zr[i]); });
+  }
+}
+
+}  // namespace ocria_rt

@@ -1,0 +1,152 @@
+// The op interface: every computation of the model goes through a Backend. The CPU backend
+// (ops/cpu/) is the readable fp32 reference; the CUDA backend (ops/cuda/) is the fast one. An op's
+// CPU and CUDA implementations live in files of the same name (e.g. cpu/gdn.cpp, cuda/gdn.cu).
+//
+// Conventions
+// - Tensors are views (core/tensor.h). Dimension 0 is the token dimension T and may be strided, so a
+//   column range of a fused projection can be passed without a copy.
+// - Activations (residual stream, projections, KV cache) have the backend's activation_dtype()
+//   (F32 on the CPU, BF16 on CUDA); norms, softmax and recurrences compute in fp32. Gated DeltaNet
+//   recurrent and conv states are F32 on every backend.
+// - Ops are asynchronous on the backend's stream; only copy_to_host and synchronize wait.
+// - Nothing that changes between decode steps is passed by value: positions and the sampler's step
+//   counter are device tensors, so a captured CUDA graph can replay a decode step unchanged.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "core/tensor.h"
+
+namespace ocria_rt {
+
+// A linear layer's weight in its storage format. Only dense weights exist today; FP8 (E4M3 with
+// per-channel scales) and NVFP4 (E2M1 in 16-element blocks with E4M3 block scales and an fp32
+// tensor scale) will add formats here, chosen per layer.
+struct LinearWeight {
+  enum class Format { kDense };
+  Format format = Format::kDense;
+  Tensor weight;  // [N (out), K (in)], the backend's weight dtype
+  Tensor bias;    // optional [N]
+
+  int64_t out_features() const { return weight.dim(0); }
+  int64_t in_features() const { return weight.dim(1); }
+};
+
+struct AttentionParams {
+  int64_t num_q_heads = 0;
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;
+  int64_t rotary_dim = 0;  // leading dims of each head that RoPE rotates, pairs (i, i + rotary_dim/2)
+  float rope_theta = 0;
+  float norm_eps = 0;      // q_norm / k_norm epsilon
+  float scale = 0;         // softmax scale, head_dim^-0.5
+};
+
+struct GdnParams {
+  int64_t num_k_heads = 0;  // HK
+  int64_t num_v_heads = 0;  // HV; value head h reads key head h / (HV / HK)
+  int64_t k_head_dim = 0;   // dk
+  int64_t v_head_dim = 0;   // dv
+  int64_t conv_kernel = 0;  // causal conv width (4)
+  float norm_eps = 0;       // output RMSNorm epsilon
+
+  int64_t conv_dim() const { return 2 * num_k_heads * k_head_dim + num_v_heads * v_head_dim; }
+};
+
+struct SamplerConfig {
+  float temperature = 0;  // <= 0: greedy (argmax, lowest index on ties)
+  int32_t top_k = 0;      // 0: all
+  float top_p = 1;        // 1: all
+  uint64_t seed = 0;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual const char* name() const = 0;
+  virtual DeviceKind device() const = 0;
+  virtual DType activation_dtype() const = 0;
+  virtual DType weight_dtype() const = 0;
+
+  // ---- memory (used at start-up by Arena; never per step) ----
+  virtual void* allocate(size_t bytes) = 0;
+  virtual void release(void* ptr) = 0;
+  // dst <- host data of src_dtype (F32/BF16/F16/I32), converted to dst.dtype; dst may be strided.
+  virtual void copy_from_host(const Tensor& dst, const void* src, DType src_dtype) = 0;
+  // host fp32 (or int32 for I32 tensors) <- src; waits for the copy.
+  virtual void copy_to_host(void* dst, const Tensor& src) = 0;
+  virtual void fill_zero(const Tensor& t) = 0;
+  virtual void synchronize() = 0;
+
+  // ---- the ops of the Qwen3.5 text decoder ----
+
+  // out[t, :] = table[ids[t], :]. ids I32 [T] (already validated against the vocabulary).
+  virtual void embedding(const Tensor& table, const Tensor& ids, const Tensor& out) = 0;
+
+  // out[T, N] = x[T, K] · W[N, K]^T (+ bias).
+  virtual void linear(const Tensor& x, const LinearWeight& w, const Tensor& out) = 0;
+
+  // Zero-centred RMSNorm over the last dimension: out = x * rsqrt(mean(x^2) + eps) * (1 + w).
+  // x, out [R, D] (or any shape whose last dim is D, contiguous except dimension 0).
+  virtual void rms_norm(const Tensor& x, const Tensor& weight, const Tensor& out, float eps) = 0;
+
+  // residual += delta; out = rms_norm(residual). The residual add and the next layer's norm in one pass.
+  virtual void add_rms_norm(const Tensor& residual, const Tensor& delta, const Tensor& weight,
+                            const Tensor& out, float eps) = 0;
+
+  // residual += delta.
+  virtual void add(const Tensor& residual, const Tensor& delta) = 0;
+
+  // gate_up [T, 2I] = [gate | up]; out [T, I] = silu(gate) * up.
+  virtual void silu_mul(const Tensor& gate_up, const Tensor& out) = 0;
+
+  // Gated attention, step 1. qkv [T, Hq*2*hd + 2*Hkv*hd]: per q head [q (hd) | gate (hd)], then the
+  // Hkv key heads, then the Hkv value heads. Applies q_norm / k_norm (zero-centred RMSNorm per head)
+  // and RoPE at positions[t] (I32 [T]) to q and k; writes q_out [T, Hq, hd] and stores k, v into
+  // row positions[t] of k_cache / v_cache [max_ctx, Hkv, hd].
+  virtual void attention_prepare(const Tensor& qkv, const Tensor& q_norm, const Tensor& k_norm,
+                                 const Tensor& positions, const AttentionParams& p, const Tensor& q_out,
+                                 const Tensor& k_cache, const Tensor& v_cache) = 0;
+
+  // Gated attention, step 2. Causal attention of q [T, Hq, hd] over cache rows 0..positions[t]
+  // (GQA: q head h reads kv head h / (Hq / Hkv)), times sigmoid(gate) read from qkv (layout above);
+  // out [T, Hq*hd].
+  virtual void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& qkv,
+                         const Tensor& positions, const AttentionParams& p, const Tensor& out) = 0;
+
+  // Gated DeltaNet, step 1: causal depthwise conv (width K, no bias) + SiLU over the conv_dim channels
+  // of x [T, C]. conv_state [C, K-1] (F32) holds the previous K-1 inputs and is updated to the last
+  // K-1 inputs. out [T, C].
+  virtual void gdn_conv(const Tensor& x, const Tensor& conv_weight, const Tensor& conv_state,
+                        const Tensor& out) = 0;
+
+  // Gated DeltaNet, step 2. qkv [T, C] (conv output: q (HK*dk) | k (HK*dk) | v (HV*dv)),
+  // ba [T, 2*HV] (b | a, raw projections). Per token and value head h (key head h / (HV/HK)):
+  //   q, k L2-normalised (x * rsqrt(sum x^2 + 1e-6)), q *= dk^-0.5,
+  //   beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias),
+  //   S = exp(g) S;  u = beta (v - S^T k);  S = S + k u^T;  o = S^T q
+  // state [HV, dk, dv] F32 is read and updated in place; out [T, HV*dv].
+  // gdn_recurrent steps token by token; gdn_chunked computes the same with the chunked (WY/UT) form.
+  virtual void gdn_recurrent(const Tensor& qkv, const Tensor& ba, const Tensor& A_log, const Tensor& dt_bias,
+                             const Tensor& state, const GdnParams& p, const Tensor& out) = 0;
+  virtual void gdn_chunked(const Tensor& qkv, const Tensor& ba, const Tensor& A_log, const Tensor& dt_bias,
+                           const Tensor& state, const GdnParams& p, const Tensor& out) = 0;
+
+  // Gated DeltaNet, step 3: out = weight * rmsnorm(o) * silu(z) per value head (plain weight [dv]).
+  // o, z, out [T, HV*dv].
+  virtual void gdn_gated_norm(const Tensor& o, const Tensor& z, const Tensor& weight, const GdnParams& p,
+                              const Tensor& out) = 0;
+
+  // Samples one token per row of logits [R, V] (F32 or the activation dtype) into tokens I32 [R].
+  // The random draw for row r is uniform_hash(config.seed, step[0] + r) (see ops/sampling_rng.h), so
+  // every backend draws the same numbers; step (I32 [1]) is advanced by R.
+  virtual void sample(const Tensor& logits, const SamplerConfig& config, const Tensor& step,
+                      const Tensor& tokens) = 0;
+};
+
+std::unique_ptr<Backend> make_cpu_backend(int num_threads);
+// Throws Error(kDeviceError) when CUDA support was not compiled in or no device is usable.
+std::unique_ptr<Backend> make_cuda_backend(int device_index);
+
+}  // namespace ocria_rt

@@ -1,0 +1,87 @@
+// ocria_rt public C++ API: load a Qwen3.5 checkpoint directory and score or generate tokens.
+//
+//   auto engine = ocria_rt::Engine::create("/models/OCRia-1", {.device = "cuda"});
+//   ocria_rt::SamplingParams sp;  sp.max_new_tokens = 64;
+//   ocria_rt::GenerationResult r = engine->generate(prompt_ids, sp);
+//
+// Everything reports failures as ocria_rt::Error (see error.h). An Engine serves one sequence at a
+// time; it is not thread-safe.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ocria_rt/config.h"
+#include "ocria_rt/error.h"
+
+namespace ocria_rt {
+
+struct EngineOptions {
+  std::string device = "cpu";   // "cpu" or "cuda" / "cuda:N"
+  int64_t max_context = 0;      // tokens per sequence (prompt + generated); 0: min(model max, 32768)
+  int64_t prefill_chunk = 0;    // tokens per prefill forward; 0: backend default
+  int num_threads = 0;          // CPU backend threads; 0: all cores
+  bool cuda_graphs = true;      // CUDA backend: replay the decode step as one captured graph
+};
+
+struct SamplingParams {
+  int64_t max_new_tokens = 64;
+  float temperature = 0.0f;  // 0: greedy
+  int64_t top_k = 0;         // 0: no limit
+  float top_p = 1.0f;        // 1: no nucleus cut
+  uint64_t seed = 0;
+  std::vector<int32_t> stop_token_ids;  // generation stops after emitting one of these
+};
+
+struct GenerationResult {
+  std::vector<int32_t> token_ids;  // the new tokens (a stop token, if hit, is included)
+  std::string finish_reason;       // "length", "stop" or "cancelled"
+  int64_t prompt_tokens = 0;
+  double prefill_seconds = 0;
+  double decode_seconds = 0;       // time for tokens after the first
+  double prefill_tokens_per_second() const { return prefill_seconds > 0 ? prompt_tokens / prefill_seconds : 0; }
+  double decode_tokens_per_second() const {
+    return decode_seconds > 0 && token_ids.size() > 1 ? (token_ids.size() - 1) / decode_seconds : 0;
+  }
+};
+
+struct EngineStats {
+  std::string device;
+  std::string backend_name;
+  int64_t weight_bytes = 0;     // weights resident on the device
+  int64_t state_bytes = 0;      // KV cache + Gated DeltaNet state
+  int64_t workspace_bytes = 0;
+  int64_t launches_per_decode_step = 0;  // GPU launches the host issues per decode step (1 with graphs)
+  int64_t kernels_per_decode_step = 0;   // kernels in one decode step
+};
+
+class Engine {
+ public:
+  virtual ~Engine() = default;
+  static std::unique_ptr<Engine> create(const std::string& model_dir, const EngineOptions& options = {});
+
+  virtual const ModelConfig& config() const = 0;
+  virtual int64_t max_context() const = 0;
+  virtual EngineStats stats() const = 0;
+
+  // Logits at every position of `token_ids`, row-major [n, vocab], fp32. Starts a fresh sequence.
+  virtual std::vector<float> score(const std::vector<int32_t>& token_ids) = 0;
+
+  // Incremental generation: start() prefills a fresh sequence; each next_token() returns one new
+  // token (the first comes from the prompt's logits). generate() is the loop over both.
+  virtual void start(const std::vector<int32_t>& prompt, const SamplingParams& params) = 0;
+  virtual int32_t next_token() = 0;
+  virtual double last_prefill_seconds() const = 0;
+
+  // on_token returns false to stop early (finish_reason "cancelled").
+  GenerationResult generate(const std::vector<int32_t>& prompt, const SamplingParams& params,
+                            const std::function<bool(int32_t)>& on_token = nullptr);
+};
+
+// Library version and build facts.
+std::string version();
+bool built_with_cuda();
+
+}  // namespace ocria_rt

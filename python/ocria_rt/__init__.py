@@ -1,0 +1,54 @@
+"""ocria_rt: a C++/CUDA inference runtime for Qwen3.5-architecture document-parsing models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import _core
+from .engine import Engine, GenerationResult
+from .errors import (
+    DeviceError,
+    FileError,
+    InternalError,
+    InvalidArgumentError,
+    ModelError,
+    OcriaError,
+    ResourceError,
+)
+
+__version__: str = _core.version()
+
+_PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def default_model_dir() -> Path:
+    """The small model that ships inside the package (used when no model is given)."""
+    return _PACKAGE_DIR / "models" / "tiny-random"
+
+
+def build_info() -> dict[str, object]:
+    """Facts about this build: version, CUDA support, where the C++ SDK (headers, library) lives."""
+    return {
+        "version": __version__,
+        "cuda": bool(_core.built_with_cuda()),
+        "include_dir": str(_PACKAGE_DIR / "include"),
+        "library_dir": str(_PACKAGE_DIR / "lib"),
+        "cmake_dir": str(_PACKAGE_DIR / "lib" / "cmake" / "ocria_rt"),
+        "default_model": str(default_model_dir()),
+    }
+
+
+__all__ = [
+    "Engine",
+    "GenerationResult",
+    "OcriaError",
+    "InvalidArgumentError",
+    "FileError",
+    "ModelError",
+    "ResourceError",
+    "DeviceError",
+    "InternalError",
+    "build_info",
+    "default_model_dir",
+    "__version__",
+]

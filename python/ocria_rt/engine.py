@@ -1,0 +1,192 @@
+"""The Python face of the engine: text or token ids in, tokens or text out."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import _core
+from .errors import FileError, InvalidArgumentError
+
+Prompt = str | Sequence[int] | np.ndarray
+
+
+@dataclass
+class GenerationResult:
+    """What generate() returns. Timings are wall-clock seconds measured by the engine."""
+
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str  # "length", "stop" or "cancelled"
+    prompt_tokens: int
+    prefill_seconds: float
+    decode_seconds: float
+    stats: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        n = len(self.token_ids) - 1  # the first token comes from the prefill
+        return n / self.decode_seconds if n > 0 and self.decode_seconds > 0 else 0.0
+
+
+class Engine:
+    """A Qwen3.5 text model loaded on one device.
+
+    >>> eng = ocria_rt.Engine()                      # the small model shipped in the package, on the CPU
+    >>> eng.generate("Tables:", max_new_tokens=16).text
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike[str] | None = None,
+        device: str = "cpu",
+        *,
+        max_context: int = 0,
+        prefill_chunk: int = 0,
+        num_threads: int = 0,
+        cuda_graphs: bool = True,
+    ) -> None:
+        from . import default_model_dir
+
+        self.model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
+        self._core = _core.Engine(
+            str(self.model_dir),
+            device=device,
+            max_context=max_context,
+            prefill_chunk=prefill_chunk,
+            num_threads=num_threads,
+            cuda_graphs=cuda_graphs,
+        )
+        self.device = device
+        self.config: dict[str, object] = self._core.config
+        self.tokenizer = _load_tokenizer(self.model_dir)
+        self.eos_token_ids: list[int] = _eos_token_ids(self.model_dir, self.config)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config["vocab_size"])  # type: ignore[arg-type]
+
+    @property
+    def max_context(self) -> int:
+        return int(self._core.max_context)
+
+    def stats(self) -> dict[str, object]:
+        return dict(self._core.stats())
+
+    # ---- tokens <-> text ----
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise FileError(f"model directory '{self.model_dir}' has no tokenizer.json: pass token ids instead of text")
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if self.tokenizer is None:
+            raise FileError(f"model directory '{self.model_dir}' has no tokenizer.json: cannot decode to text")
+        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+    def _ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.encode(prompt)
+        ids = np.asarray(prompt)
+        if ids.ndim != 1 or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
+            raise InvalidArgumentError(f"token ids must be a 1-D sequence of integers, got shape {ids.shape} of {ids.dtype}")
+        if ids.size and (ids.min() < -(2**31) or ids.max() >= 2**31):
+            raise InvalidArgumentError("token ids must fit in int32")
+        return [int(t) for t in ids]
+
+    # ---- scoring and generation ----
+    def score(self, prompt: Prompt) -> np.ndarray:
+        """Logits (np.float32 [len(tokens), vocab]) at every position of a fresh sequence."""
+        return self._core.score(self._ids(prompt))
+
+    def generate(
+        self,
+        prompt: Prompt,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        stop_token_ids: Sequence[int] | None = None,
+    ) -> GenerationResult:
+        """Generates up to max_new_tokens tokens after `prompt` (text or token ids).
+
+        temperature 0 is greedy. stop_token_ids=None stops at the model's end-of-sequence tokens;
+        pass [] to never stop early.
+        """
+        ids = self._ids(prompt)
+        stops = self._stops(stop_token_ids)
+        r = self._core.generate(ids, int(max_new_tokens), float(temperature), int(top_k), float(top_p), _seed(seed), stops)
+        tokens = list(r.token_ids)
+        return GenerationResult(
+            token_ids=tokens,
+            text=self.decode(tokens) if self.tokenizer is not None else None,
+            finish_reason=r.finish_reason,
+            prompt_tokens=r.prompt_tokens,
+            prefill_seconds=r.prefill_seconds,
+            decode_seconds=r.decode_seconds,
+            stats=self.stats(),
+        )
+
+    def stream(
+        self,
+        prompt: Prompt,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        stop_token_ids: Sequence[int] | None = None,
+    ) -> Iterator[int]:
+        """Yields new token ids one at a time (same arguments as generate)."""
+        ids = self._ids(prompt)
+        stops = self._stops(stop_token_ids)
+        self._core.start(ids, int(max_new_tokens), float(temperature), int(top_k), float(top_p), _seed(seed), stops)
+        for _ in range(int(max_new_tokens)):
+            tok = int(self._core.next_token())
+            yield tok
+            if tok in stops:
+                return
+
+    def _stops(self, stop_token_ids: Sequence[int] | None) -> list[int]:
+        return list(self.eos_token_ids if stop_token_ids is None else (int(t) for t in stop_token_ids))
+
+
+def _seed(seed: int) -> int:
+    if not 0 <= int(seed) < 2**64:
+        raise InvalidArgumentError(f"seed must be in [0, 2**64), got {seed}")
+    return int(seed)
+
+
+def _load_tokenizer(model_dir: Path):  # -> tokenizers.Tokenizer | None
+    path = model_dir / "tokenizer.json"
+    if not path.exists():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the tokenizers package raises plain Exceptions
+        raise FileError(f"cannot load tokenizer '{path}': {e}") from e
+
+
+def _eos_token_ids(model_dir: Path, config: dict[str, object]) -> list[int]:
+    """End-of-sequence ids: generation_config.json first, then config.json."""
+    gen = model_dir / "generation_config.json"
+    if gen.exists():
+        try:
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+        except (OSError, ValueError) as e:
+            raise FileError(f"cannot read '{gen}': {e}") from e
+        if eos is not None:
+            return [int(t) for t in (eos if isinstance(eos, list) else [eos])]
+    return [int(t) for t in config.get("eos_token_ids", [])]  # type: ignore[union-attr]
