@@ -106,17 +106,17 @@ PYBIND11_MODULE(_core, m) {
         d["kernels_per_decode_step"] = s.kernels_per_decode_step;
         return d;
       })
-      .def("score", [](Engine& e, const std::vector<int32_t>& ids) {
+      .def("score", [](Engine& e, const std::vector<int32_t>& ids, int64_t chunk) {
         std::vector<float> logits;
         {
           py::gil_scoped_release release;
-          logits = e.score(ids);
+          logits = e.score(ids, chunk);
         }
         const int64_t V = e.config().vocab_size;
         py::array_t<float> out({int64_t(ids.size()), V});
         std::copy(logits.begin(), logits.end(), out.mutable_data());
         return out;
-      }, py::arg("token_ids"))
+      }, py::arg("token_ids"), py::arg("chunk") = 0)
       .def("start", [](Engine& e, const std::vector<int32_t>& ids, int64_t max_new_tokens, float temperature, int64_t top_k,
                        float top_p, uint64_t seed, std::vector<int32_t> stop) {
              py::gil_scoped_release release;

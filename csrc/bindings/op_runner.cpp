@@ -163,6 +163,6 @@ void register_op_runner(py::module_& m) {
         step_arr.mutable_data()[0] = step;
         Tensor st = r.upload_i32(step_arr), tok = r.upload_i32(I32Array(std::vector<py::ssize_t>{logits.shape(0)}));
         r.be().sample(r.upload(logits, DType::F32), c, st, tok);
-        return py::make_tuple(r.download_i32(tok), r.download_i32(st)[0]);
+        return py::make_tuple(r.download_i32(tok), r.download_i32(st).data()[0]);
       });
 }

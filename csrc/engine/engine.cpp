@@ -73,14 +73,16 @@ class EngineImpl final : public Engine {
     return s;
   }
 
-  std::vector<float> score(const std::vector<int32_t>& tokens) override {
+  std::vector<float> score(const std::vector<int32_t>& tokens, int64_t chunk) override {
     validate_tokens(tokens, "score");
+    if (chunk < 0) throw Error(ErrorCode::kInvalidArgument, "chunk must be >= 0 (0: the prefill chunk), got " + std::to_string(chunk));
+    const int64_t step = chunk > 0 ? std::min(chunk, prefill_chunk_) : prefill_chunk_;
     active_ = false;
     model_->reset(state_);
     const int64_t n = int64_t(tokens.size()), V = config_.vocab_size;
     std::vector<float> out(size_t(n * V));
-    for (int64_t c0 = 0; c0 < n; c0 += prefill_chunk_) {
-      const int64_t T = std::min(prefill_chunk_, n - c0);
+    for (int64_t c0 = 0; c0 < n; c0 += step) {
+      const int64_t T = std::min(step, n - c0);
       run_forward(tokens.data() + c0, c0, T);
       for (int64_t r0 = 0; r0 < T; r0 += kLogitRows) {
         const int64_t R = std::min(kLogitRows, T - r0);

@@ -67,7 +67,9 @@ class Engine {
   virtual EngineStats stats() const = 0;
 
   // Logits at every position of `token_ids`, row-major [n, vocab], fp32. Starts a fresh sequence.
-  virtual std::vector<float> score(const std::vector<int32_t>& token_ids) = 0;
+  // The tokens go through the model `chunk` at a time (0: the prefill chunk; 1: token by token,
+  // exactly as decoding does), so the prefill and decode paths can be checked against each other.
+  virtual std::vector<float> score(const std::vector<int32_t>& token_ids, int64_t chunk = 0) = 0;
 
   // Incremental generation: start() prefills a fresh sequence; each next_token() returns one new
   // token (the first comes from the prompt's logits). generate() is the loop over both.

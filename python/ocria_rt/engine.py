@@ -104,9 +104,12 @@ class Engine:
         return [int(t) for t in ids]
 
     # ---- scoring and generation ----
-    def score(self, prompt: Prompt) -> np.ndarray:
-        """Logits (np.float32 [len(tokens), vocab]) at every position of a fresh sequence."""
-        return self._core.score(self._ids(prompt))
+    def score(self, prompt: Prompt, chunk: int = 0) -> np.ndarray:
+        """Logits (np.float32 [len(tokens), vocab]) at every position of a fresh sequence.
+
+        chunk: tokens per forward pass (0: the engine's prefill chunk; 1: token by token, the decode path).
+        """
+        return self._core.score(self._ids(prompt), int(chunk))
 
     def generate(
         self,

@@ -1,0 +1,89 @@
+"""Plain numpy (float64) references of the ops, written from the formulas in csrc/ops/ops.h."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def rms_norm(x, w, eps, zero_centred=True):
+    x = x.astype(np.float64)
+    y = x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
+    return y * ((1 + w) if zero_centred else w)
+
+
+def silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def sigmoid(x):
+    return 1 / (1 + np.exp(-x))
+
+
+def rope(x, pos, rot, theta):
+    x = x.astype(np.float64).copy()
+    half = rot // 2
+    ang = pos * (1.0 / theta ** (np.arange(0, rot, 2) / rot))
+    c, s = np.cos(ang), np.sin(ang)
+    a, b = x[..., :half].copy(), x[..., half:rot].copy()
+    x[..., :half] = a * c - b * s
+    x[..., half:rot] = b * c + a * s
+    return x
+
+
+def attention_prepare(qkv, q_norm, k_norm, positions, hq, hkv, hd, rot, theta, eps):
+    T = qkv.shape[0]
+    q = qkv[:, : hq * 2 * hd].reshape(T, hq, 2 * hd)[..., :hd]
+    k = qkv[:, hq * 2 * hd : hq * 2 * hd + hkv * hd].reshape(T, hkv, hd)
+    v = qkv[:, hq * 2 * hd + hkv * hd :].reshape(T, hkv, hd)
+    q = np.stack([rope(rms_norm(q[t], q_norm, eps), positions[t], rot, theta) for t in range(T)])
+    k = np.stack([rope(rms_norm(k[t], k_norm, eps), positions[t], rot, theta) for t in range(T)])
+    return q, k, v
+
+
+def attention(q, k_cache, v_cache, qkv, positions, hq, hkv, hd):
+    T = q.shape[0]
+    gate = qkv[:, : hq * 2 * hd].reshape(T, hq, 2 * hd)[..., hd:]
+    out = np.zeros((T, hq, hd))
+    for t in range(T):
+        n = positions[t] + 1
+        for h in range(hq):
+            g = h // (hq // hkv)
+            s = k_cache[:n, g].astype(np.float64) @ q[t, h] / np.sqrt(hd)
+            p = np.exp(s - s.max())
+            out[t, h] = (p / p.sum()) @ v_cache[:n, g]
+    return (out * sigmoid(gate)).reshape(T, hq * hd)
+
+
+def gdn_conv(x, w, state):
+    K = w.shape[1]
+    full = np.concatenate([state.T, x], 0).astype(np.float64)  # [K-1+T, C]
+    T = x.shape[0]
+    out = np.stack([(full[t : t + K] * w.T).sum(0) for t in range(T)])
+    return silu(out), full[-(K - 1) :].T
+
+
+def gdn(qkv, ba, A_log, dt_bias, state, hk, hv, dk, dv):
+    T = qkv.shape[0]
+    S = state.astype(np.float64).copy()
+    out = np.zeros((T, hv * dv))
+    for t in range(T):
+        for h in range(hv):
+            kh = h // (hv // hk)
+            q = qkv[t, kh * dk : (kh + 1) * dk].astype(np.float64)
+            k = qkv[t, hk * dk + kh * dk : hk * dk + (kh + 1) * dk].astype(np.float64)
+            v = qkv[t, 2 * hk * dk + h * dv : 2 * hk * dk + (h + 1) * dv]
+            q = q / np.sqrt((q * q).sum() + 1e-6) / np.sqrt(dk)
+            k = k / np.sqrt((k * k).sum() + 1e-6)
+            beta = sigmoid(ba[t, h])
+            g = -np.exp(A_log[h]) * np.log1p(np.exp(ba[t, hv + h] + dt_bias[h]))
+            S[h] *= np.exp(g)
+            u = beta * (v - S[h].T @ k)
+            S[h] += np.outer(k, u)
+            out[t, h * dv : (h + 1) * dv] = S[h].T @ q
+    return out, S
+
+
+def gdn_gated_norm(o, z, w, hv, dv, eps):
+    T = o.shape[0]
+    y = rms_norm(o.reshape(T, hv, dv), w, eps, zero_centred=False) * silu(z.reshape(T, hv, dv))
+    return y.reshape(T, hv * dv)

@@ -1,0 +1,64 @@
+"""The command line and the C++ embedding example."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ocria_rt
+from conftest import FIXTURES, load_reference
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ocria_rt.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_generate_default_model():
+    r = cli("generate", "--prompt", "The table below lists", "--max-new-tokens", "12", "--ignore-eos")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip(), "no text printed"
+    assert "tokens/s" in r.stderr
+
+
+def test_cli_json_matches_python_api():
+    r = cli("generate", "--model", str(FIXTURES / "text_tied"), "--prompt", "3 1 4 1 5", "--max-new-tokens", "9", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    expected = ocria_rt.Engine(FIXTURES / "text_tied").generate([3, 1, 4, 1, 5], max_new_tokens=9)
+    assert out["token_ids"] == expected.token_ids
+    assert out["decode_tokens_per_second"] > 0
+
+
+def test_cli_reports_errors_without_traceback():
+    r = cli("generate", "--model", "/nonexistent/model", "--prompt", "x")
+    assert r.returncode == 2
+    assert "error:" in r.stderr and "does not exist" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_cpp_example_builds_and_generates(tmp_path):
+    cmake_dir = Path(ocria_rt.build_info()["cmake_dir"])
+    if not cmake_dir.exists():
+        pytest.skip("the C++ SDK is installed with the package: run `pip install .` first")
+    if shutil.which("cmake") is None:
+        pytest.skip("cmake is not on PATH")
+    build = tmp_path / "build"
+    subprocess.run(["cmake", "-S", str(ROOT / "examples" / "cpp"), "-B", str(build), f"-Docria_rt_DIR={cmake_dir}"],
+                   check=True, capture_output=True, timeout=300)
+    subprocess.run(["cmake", "--build", str(build)], check=True, capture_output=True, timeout=300)
+    ref = load_reference("text_tied")
+    prompt = [str(t) for t in ref["greedy_prompt"]]
+    r = subprocess.run([str(build / "generate"), str(FIXTURES / "text_tied"), "--max-new-tokens", "64", *prompt],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    np.testing.assert_array_equal([int(t) for t in r.stdout.split()], ref["greedy_tokens"])
+    bad = subprocess.run([str(build / "generate"), str(tmp_path / "missing"), "1"], capture_output=True, text=True)
+    assert bad.returncode == 1 and "does not exist" in bad.stderr

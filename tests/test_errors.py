@@ -1,0 +1,162 @@
+"""Bad input raises ocria_rt.OcriaError (or a subclass) whose message names the problem."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ocria_rt
+from conftest import FIXTURES
+
+SRC = FIXTURES / "text_tied"
+
+
+def copy_model(tmp_path: Path) -> Path:
+    dst = tmp_path / "model"
+    shutil.copytree(SRC, dst)
+    return dst
+
+
+def rewrite_tensor_header(path: Path, edit) -> None:
+    """Apply `edit` to the parsed safetensors header and write the file back (data unchanged)."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    edit(header)
+    new = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :])
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return ocria_rt.Engine(SRC)
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(ocria_rt.FileError, match="does not exist"):
+        ocria_rt.Engine(tmp_path / "nope")
+
+
+def test_missing_weights(tmp_path):
+    d = copy_model(tmp_path)
+    (d / "model.safetensors").unlink()
+    with pytest.raises(ocria_rt.FileError, match="model.safetensors"):
+        ocria_rt.Engine(d)
+
+
+def test_missing_config(tmp_path):
+    d = copy_model(tmp_path)
+    (d / "config.json").unlink()
+    with pytest.raises(ocria_rt.FileError, match="config.json"):
+        ocria_rt.Engine(d)
+
+
+def test_truncated_safetensors(tmp_path):
+    d = copy_model(tmp_path)
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(ocria_rt.FileError, match=r"model\.safetensors.*(outside|truncated)"):
+        ocria_rt.Engine(d)
+
+
+def test_absurd_header_length(tmp_path):
+    d = copy_model(tmp_path)
+    f = d / "model.safetensors"
+    raw = f.read_bytes()
+    f.write_bytes(struct.pack("<Q", 1 << 60) + raw[8:])
+    with pytest.raises(ocria_rt.FileError, match="header length"):
+        ocria_rt.Engine(d)
+
+
+def test_wrong_shape(tmp_path):
+    d = copy_model(tmp_path)
+    name = "model.layers.0.mlp.down_proj.weight"
+
+    def edit(h):  # same byte count, transposed shape
+        h[name]["shape"] = h[name]["shape"][::-1]
+
+    rewrite_tensor_header(d / "model.safetensors", edit)
+    with pytest.raises(ocria_rt.ModelError, match=rf"{name}.*shape \[128, 64\].*expected \[64, 128\]"):
+        ocria_rt.Engine(d)
+
+
+def test_wrong_dtype(tmp_path):
+    d = copy_model(tmp_path)
+    name = "model.norm.weight"
+
+    def edit(h):  # F32 [64] has the bytes of I32 [64]
+        h[name]["dtype"] = "I32"
+
+    rewrite_tensor_header(d / "model.safetensors", edit)
+    with pytest.raises(ocria_rt.ModelError, match=rf"{name}.*dtype I32"):
+        ocria_rt.Engine(d)
+
+
+def test_missing_tensor(tmp_path):
+    d = copy_model(tmp_path)
+    rewrite_tensor_header(d / "model.safetensors", lambda h: h.pop("model.layers.3.self_attn.k_norm.weight"))
+    with pytest.raises(ocria_rt.ModelError, match="lacks tensor 'model.layers.3.self_attn.k_norm.weight'"):
+        ocria_rt.Engine(d)
+
+
+def test_unknown_model_type(tmp_path):
+    d = copy_model(tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_type"] = "llama"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ocria_rt.ModelError, match="unsupported model_type 'llama'"):
+        ocria_rt.Engine(d)
+
+
+def test_malformed_config(tmp_path):
+    d = copy_model(tmp_path)
+    (d / "config.json").write_text('{"model_type": "qwen3_5_text", "hidden_size": ')
+    with pytest.raises(ocria_rt.FileError, match="config.json.*invalid JSON"):
+        ocria_rt.Engine(d)
+
+
+def test_token_out_of_vocab(engine):
+    with pytest.raises(ocria_rt.InvalidArgumentError, match="token id 512 at index 1 is outside the vocabulary"):
+        engine.score([1, 512, 3])
+    with pytest.raises(ocria_rt.InvalidArgumentError, match="token id -1"):
+        engine.generate([5, -1], max_new_tokens=2)
+
+
+def test_prompt_longer_than_context():
+    eng = ocria_rt.Engine(SRC, max_context=32)
+    with pytest.raises(ocria_rt.InvalidArgumentError, match="context limit of 32"):
+        eng.score(list(range(40)))
+    with pytest.raises(ocria_rt.InvalidArgumentError, match="exceeds the context limit of 32"):
+        eng.generate(list(range(30)), max_new_tokens=8)
+
+
+@pytest.mark.parametrize("n", [0, -3])
+def test_max_new_tokens_not_positive(engine, n):
+    with pytest.raises(ocria_rt.InvalidArgumentError, match="max_new_tokens must be positive"):
+        engine.generate([1, 2, 3], max_new_tokens=n)
+
+
+@pytest.mark.parametrize("kw,msg", [({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
+                                    ({"top_k": -2}, "top_k"), ({"seed": -1}, "seed")])
+def test_bad_sampling_arguments(engine, kw, msg):
+    with pytest.raises(ocria_rt.InvalidArgumentError, match=msg):
+        engine.generate([1, 2, 3], max_new_tokens=2, **kw)
+
+
+def test_empty_prompt_and_bad_device(engine):
+    with pytest.raises(ocria_rt.InvalidArgumentError, match="empty"):
+        engine.generate([], max_new_tokens=2)
+    with pytest.raises(ocria_rt.InvalidArgumentError, match="device 'tpu'"):
+        ocria_rt.Engine(SRC, device="tpu")
+
+
+def test_engine_usable_after_errors(engine):
+    with pytest.raises(ocria_rt.OcriaError):
+        engine.score([10**6])
+    logits = engine.score([1, 2, 3])
+    assert np.all(np.isfinite(logits))

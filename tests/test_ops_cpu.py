@@ -1,0 +1,115 @@
+"""Every CPU op against a float64 numpy reference, fresh random inputs, several (odd) shapes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import reference_ops as ref
+from conftest import relerr
+from ocria_rt import _core
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    return _core.OpRunner("cpu")
+
+
+def randn(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+@pytest.mark.parametrize("M,K,N", [(1, 64, 96), (3, 33, 17), (16, 128, 250), (70, 257, 31)])
+def test_linear(cpu, M, K, N):
+    rng = np.random.default_rng(M * 1000 + K)
+    x, w = randn(rng, M, K), randn(rng, N, K)
+    assert relerr(cpu.linear(x, w), x.astype(np.float64) @ w.T) <= TOL
+
+
+def test_embedding(cpu):
+    rng = np.random.default_rng(1)
+    table = randn(rng, 50, 24)
+    ids = rng.integers(0, 50, 13).astype(np.int32)
+    np.testing.assert_array_equal(cpu.embedding(table, ids), table[ids])
+
+
+@pytest.mark.parametrize("R,D", [(1, 64), (5, 37), (33, 256)])
+def test_norms(cpu, R, D):
+    rng = np.random.default_rng(R + D)
+    x, d, w = randn(rng, R, D, scale=3), randn(rng, R, D), randn(rng, D, scale=0.1)
+    assert relerr(cpu.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6)) <= TOL
+    res, out = cpu.add_rms_norm(x, d, w, 1e-6)
+    assert relerr(res, x.astype(np.float64) + d) <= TOL
+    assert relerr(out, ref.rms_norm(x.astype(np.float64) + d, w, 1e-6)) <= TOL
+
+
+def test_silu_mul(cpu):
+    rng = np.random.default_rng(2)
+    gu = randn(rng, 7, 2 * 45, scale=2)
+    assert relerr(cpu.silu_mul(gu), ref.silu(gu[:, :45].astype(np.float64)) * gu[:, 45:]) <= TOL
+
+
+@pytest.mark.parametrize("hq,hkv,hd,rot,T,start", [(4, 2, 32, 8, 5, 0), (4, 1, 16, 4, 1, 9), (6, 3, 64, 16, 12, 3)])
+def test_attention(cpu, hq, hkv, hd, rot, T, start):
+    rng = np.random.default_rng(hq * hd + T)
+    ctx = start + T + 4
+    qkv = randn(rng, T, (2 * hq + 2 * hkv) * hd)
+    qn, kn = randn(rng, hd, scale=0.1), randn(rng, hd, scale=0.1)
+    k_cache, v_cache = randn(rng, ctx, hkv, hd), randn(rng, ctx, hkv, hd)  # rows < start: earlier tokens
+    pos = np.arange(start, start + T, dtype=np.int32)
+    q, kc, vc = cpu.attention_prepare(qkv, qn, kn, pos, k_cache, v_cache, hq, hkv, hd, rot, 1e6, 1e-6)
+    rq, rk, rv = ref.attention_prepare(qkv, qn, kn, pos, hq, hkv, hd, rot, 1e6, 1e-6)
+    assert relerr(q, rq) <= TOL
+    assert relerr(kc[pos], rk) <= TOL and relerr(vc[pos], rv) <= TOL
+    untouched = np.setdiff1d(np.arange(ctx), pos)
+    np.testing.assert_array_equal(kc[untouched], k_cache[untouched])
+    out = cpu.attention(q, kc, vc, qkv, pos, hq, hkv, hd)
+    assert relerr(out, ref.attention(q, kc, vc, qkv, pos, hq, hkv, hd)) <= TOL
+
+
+@pytest.mark.parametrize("T,C", [(1, 48), (6, 160), (70, 33)])
+def test_gdn_conv(cpu, T, C):
+    rng = np.random.default_rng(T + C)
+    x, w, state = randn(rng, T, C), randn(rng, C, 4, scale=0.3), randn(rng, C, 3)
+    out, new_state = cpu.gdn_conv(x, w, state)
+    rout, rstate = ref.gdn_conv(x, w, state)
+    assert relerr(out, rout) <= TOL
+    assert relerr(new_state, rstate) <= TOL
+
+
+GDN_SHAPES = [(2, 4, 16, 16, 1), (2, 4, 16, 24, 17), (1, 3, 8, 8, 64), (2, 2, 32, 16, 150)]
+
+
+@pytest.mark.parametrize("hk,hv,dk,dv,T", GDN_SHAPES)
+@pytest.mark.parametrize("chunked", [False, True])
+def test_gdn(cpu, hk, hv, dk, dv, T, chunked):
+    rng = np.random.default_rng(hv * dv + T)
+    qkv = randn(rng, T, 2 * hk * dk + hv * dv)
+    ba = randn(rng, T, 2 * hv)
+    A_log = np.log(rng.uniform(0.05, 8, hv)).astype(np.float32)
+    dt_bias = randn(rng, hv, scale=0.1)
+    state = randn(rng, hv, dk, dv, scale=0.2)
+    out, new_state = cpu.gdn(qkv, ba, A_log, dt_bias, state, hk, hv, dk, dv, chunked)
+    rout, rstate = ref.gdn(qkv, ba, A_log, dt_bias, state, hk, hv, dk, dv)
+    assert relerr(out, rout) <= TOL
+    assert relerr(new_state, rstate) <= TOL
+
+
+def test_gdn_chunked_equals_recurrent(cpu):
+    rng = np.random.default_rng(5)
+    hk, hv, dk, dv, T = 2, 4, 32, 32, 200
+    args = (randn(rng, T, 2 * hk * dk + hv * dv), randn(rng, T, 2 * hv),
+            np.log(rng.uniform(0.05, 8, hv)).astype(np.float32), randn(rng, hv, scale=0.1))
+    state = randn(rng, hv, dk, dv, scale=0.2)
+    a = cpu.gdn(*args, state, hk, hv, dk, dv, True)
+    b = cpu.gdn(*args, state, hk, hv, dk, dv, False)
+    assert relerr(a[0], b[0]) <= 1e-5 and relerr(a[1], b[1]) <= 1e-5
+
+
+def test_gdn_gated_norm(cpu):
+    rng = np.random.default_rng(6)
+    T, hv, dv = 5, 4, 24
+    o, z, w = randn(rng, T, hv * dv), randn(rng, T, hv * dv), 1 + randn(rng, dv, scale=0.1)
+    assert relerr(cpu.gdn_gated_norm(o, z, w, hv, dv, 1e-6), ref.gdn_gated_norm(o, z, w, hv, dv, 1e-6)) <= TOL
