@@ -39,7 +39,8 @@ class EngineImpl final : public Engine {
     if (opt.max_context < 0) throw Error(ErrorCode::kInvalidArgument, "max_context must be >= 0, got " + std::to_string(opt.max_context));
     if (opt.prefill_chunk < 0) throw Error(ErrorCode::kInvalidArgument, "prefill_chunk must be >= 0, got " + std::to_string(opt.prefill_chunk));
     max_context_ = opt.max_context > 0 ? opt.max_context : std::min(config_.max_position_embeddings, kDefaultMaxContext);
-    prefill_chunk_ = std::min(opt.prefill_chunk > 0 ? opt.prefill_chunk : 512, max_context_);
+    const int64_t default_chunk = backend_->device() == DeviceKind::CPU ? 512 : 2048;
+    prefill_chunk_ = std::min(opt.prefill_chunk > 0 ? opt.prefill_chunk : default_chunk, max_context_);
 
     weights_ = std::make_unique<Arena>(*backend_);
     state_arena_ = std::make_unique<Arena>(*backend_);
@@ -55,6 +56,8 @@ class EngineImpl final : public Engine {
     logits_ = work_->alloc(backend_->activation_dtype(), {kLogitRows, config_.vocab_size});
     step_ = work_->alloc(DType::I32, {1});
     token_ = work_->alloc(DType::I32, {1});
+    decode_position_ = work_->alloc(DType::I32, {1});
+    use_graphs_ = opt.cuda_graphs && backend_->supports_graphs();
     backend_->synchronize();
   }
 
@@ -68,8 +71,9 @@ class EngineImpl final : public Engine {
     s.weight_bytes = int64_t(weights_->bytes_used());
     s.state_bytes = int64_t(state_arena_->bytes_used());
     s.workspace_bytes = int64_t(work_->bytes_used());
-    s.kernels_per_decode_step = 0;  // counted by the CUDA backend
-    s.launches_per_decode_step = 0;
+    // Known once a decode step has been captured: its kernels, replayed with one launch.
+    s.kernels_per_decode_step = graph_ready_ ? backend_->graph_kernels() : 0;
+    s.launches_per_decode_step = graph_ready_ ? 1 : 0;
     return s;
   }
 
@@ -114,13 +118,13 @@ class EngineImpl final : public Engine {
     sampler_ = {sp.temperature, int32_t(std::min<int64_t>(sp.top_k, config_.vocab_size)), sp.top_p, sp.seed};
     remaining_ = sp.max_new_tokens;
     model_->reset(state_);
-    const int32_t zero = 0;
+    const int32_t zero = 0, n = int32_t(prompt.size());
     backend_->copy_from_host(step_, &zero, DType::I32);
-    const int64_t n = int64_t(prompt.size());
     for (int64_t c0 = 0; c0 < n; c0 += prefill_chunk_) run_forward(prompt.data() + c0, c0, std::min(prefill_chunk_, n - c0));
-    const int64_t last = (n - 1) % prefill_chunk_;
-    pending_ = sample_from(ws_.normed.rows(last, 1));
-    position_ = n;
+    // The first new token comes from the prompt's last position; decode steps continue at position n.
+    sample_into_token(ws_.normed.rows((n - 1) % prefill_chunk_, 1));
+    backend_->copy_from_host(decode_position_, &n, DType::I32);
+    backend_->copy_to_host(&pending_, token_);
     active_ = true;
     first_ = true;
     prefill_seconds_ = seconds_since(t0);
@@ -129,9 +133,8 @@ class EngineImpl final : public Engine {
   int32_t next_token() override {
     if (!active_) throw Error(ErrorCode::kInvalidArgument, "next_token() called without start() or after the sequence ended");
     if (!first_) {
-      run_forward(&pending_, position_, 1);
-      ++position_;
-      pending_ = sample_from(ws_.normed.rows(0, 1));
+      decode_step();
+      backend_->copy_to_host(&pending_, token_);
     }
     first_ = false;
     if (--remaining_ == 0) active_ = false;
@@ -161,12 +164,33 @@ class EngineImpl final : public Engine {
     model_->forward(ids_.rows(0, T), positions_.rows(0, T), state_, ws_, /*chunked_gdn=*/T > 1);
   }
 
-  int32_t sample_from(const Tensor& hidden_row) {
+  // logits of one hidden row -> token_ (on the device; nothing is read back here).
+  void sample_into_token(const Tensor& hidden_row) {
     model_->logits(hidden_row, logits_.rows(0, 1));
     backend_->sample(logits_.rows(0, 1), sampler_, step_, token_);
-    int32_t tok = 0;
-    backend_->copy_to_host(&tok, token_);
-    return tok;
+  }
+
+  // One decode step, driven entirely by device buffers: the last sampled token goes in, the next
+  // one comes out in token_, the position advances. Nothing here differs between steps, so a
+  // backend with graphs captures it once (per sampler setting) and replays it with one launch.
+  void decode_ops() {
+    model_->forward(token_, decode_position_, state_, ws_, /*chunked_gdn=*/false);
+    sample_into_token(ws_.normed.rows(0, 1));
+    backend_->increment(decode_position_, 1);
+  }
+
+  void decode_step() {
+    if (!use_graphs_) return decode_ops();
+    const bool same_sampler = graph_sampler_.temperature == sampler_.temperature && graph_sampler_.top_k == sampler_.top_k &&
+                              graph_sampler_.top_p == sampler_.top_p && graph_sampler_.seed == sampler_.seed;
+    if (!graph_ready_ || !same_sampler) {
+      backend_->begin_capture();
+      decode_ops();
+      backend_->end_capture();
+      graph_ready_ = true;
+      graph_sampler_ = sampler_;
+    }
+    backend_->replay();
   }
 
   ModelConfig config_;
@@ -175,13 +199,18 @@ class EngineImpl final : public Engine {
   std::unique_ptr<Qwen35Model> model_;
   SequenceState state_;
   Workspace ws_;
-  Tensor ids_, positions_, logits_, step_, token_;
+  Tensor ids_, positions_, logits_;
+  Tensor step_;             // I32 [1]: the sampler's draw counter
+  Tensor token_;            // I32 [1]: the last sampled token, input of the next decode step
+  Tensor decode_position_;  // I32 [1]: position of the next decode step
+  bool use_graphs_ = false, graph_ready_ = false;
+  SamplerConfig graph_sampler_;
   int64_t max_context_ = 0, prefill_chunk_ = 0;
 
   SamplerConfig sampler_;
   bool active_ = false, first_ = false;
   int32_t pending_ = 0;
-  int64_t position_ = 0, remaining_ = 0;
+  int64_t remaining_ = 0;
   double prefill_seconds_ = 0;
 };
 

@@ -1,4 +1,4 @@
-// make_cuda_backend when the library is built without CUDA.
+// The CUDA entry points when the library is built without CUDA.
 #include "ops/ops.h"
 
 namespace ocria_rt {
@@ -8,6 +8,8 @@ std::unique_ptr<Backend> make_cuda_backend(int) {
   throw Error(ErrorCode::kDeviceError, "device 'cuda' requested but ocria_rt was built without CUDA support "
                                        "(rebuild with nvcc available, or OCRIA_RT_CUDA=ON)");
 }
+
+int cuda_device_count() { return 0; }
 #endif
 
 }  // namespace ocria_rt

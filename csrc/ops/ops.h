@@ -143,7 +143,21 @@ class Backend {
   // every backend draws the same numbers; step (I32 [1]) is advanced by R.
   virtual void sample(const Tensor& logits, const SamplerConfig& config, const Tensor& step,
                       const Tensor& tokens) = 0;
+
+  // counter[0] += by for an I32 [1] device tensor: a captured decode step advances its own position.
+  virtual void increment(const Tensor& counter, int32_t by) = 0;
+
+  // ---- step graphs: the ops issued between begin_capture() and end_capture() are recorded (not
+  // run) and replay() runs them all with one launch. Backends without graphs return false. ----
+  virtual bool supports_graphs() const { return false; }
+  virtual void begin_capture() {}
+  virtual void end_capture() {}      // keeps the graph, replacing the previous one
+  virtual void replay() {}
+  virtual int64_t graph_kernels() const { return 0; }  // kernel nodes in the kept graph
 };
+
+// Number of usable CUDA devices (0 when built without CUDA or none is visible).
+int cuda_device_count();
 
 std::unique_ptr<Backend> make_cpu_backend(int num_threads);
 // Throws Error(kDeviceError) when CUDA support was not compiled in or no device is usable.

@@ -45,6 +45,7 @@ class CpuBackend final : public Backend {
   void gdn_gated_norm(const Tensor& o, const Tensor& z, const Tensor& weight, const GdnParams& p,
                       const Tensor& out) override;
   void sample(const Tensor& logits, const SamplerConfig& config, const Tensor& step, const Tensor& tokens) override;
+  void increment(const Tensor& counter, int32_t by) override { counter.ptr<int32_t>()[0] += by; }
 
  private:
   int threads_;
