@@ -1,28 +1,30 @@
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
-MODEL_FIXTURES = ["text_tied", "text_untied_dkdv", "vlm_untied"]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/support.py, tests/reference_ops.py
 
 
-def relerr(a: np.ndarray, b: np.ndarray) -> float:
-    """||a - b|| / ||b||, NaN-safe (NaN anywhere gives inf)."""
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
-    if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
-        return float("inf")
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+def _why_no_cuda() -> str | None:
+    import ocria_rt
+
+    info = ocria_rt.build_info()
+    if not info["cuda"]:
+        return "ocria_rt was built without CUDA support"
+    if not info["cuda_devices"]:
+        return "no CUDA device is visible"
+    return None
 
 
-@pytest.fixture(scope="session")
-def fixtures_dir() -> Path:
-    return FIXTURES
-
-
-def load_reference(name: str) -> dict[str, np.ndarray]:
-    path = FIXTURES / "tiny_random_ref.npz" if name == "tiny-random" else FIXTURES / name / "reference.npz"
-    return dict(np.load(path))
+def pytest_collection_modifyitems(config, items):
+    """Everything under tests/gpu/ is marked `gpu` and skipped, with the reason, where CUDA is unusable."""
+    reason = None
+    for item in items:
+        if "/tests/gpu/" in str(item.fspath).replace("\\", "/"):
+            item.add_marker(pytest.mark.gpu)
+            reason = reason or _why_no_cuda() or ""
+            if reason:
+                item.add_marker(pytest.mark.skip(reason=reason))

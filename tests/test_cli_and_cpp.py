@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import ocria_rt
-from conftest import FIXTURES, load_reference
+from support import FIXTURES, load_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 

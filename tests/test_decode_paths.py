@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import ocria_rt
-from conftest import FIXTURES, MODEL_FIXTURES, load_reference, relerr
+from support import FIXTURES, MODEL_FIXTURES, load_reference, relerr
 
 
 @pytest.mark.parametrize("name", MODEL_FIXTURES)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import ocria_rt
-from conftest import FIXTURES
+from support import FIXTURES
 
 SRC = FIXTURES / "text_tied"
 
@@ -160,3 +160,10 @@ def test_engine_usable_after_errors(engine):
         engine.score([10**6])
     logits = engine.score([1, 2, 3])
     assert np.all(np.isfinite(logits))
+
+
+def test_cuda_unavailable_is_a_device_error():
+    if ocria_rt.build_info()["cuda_devices"]:
+        pytest.skip("a CUDA device is present (tests/gpu covers it)")
+    with pytest.raises(ocria_rt.DeviceError, match="cuda|CUDA"):
+        ocria_rt.Engine(SRC, device="cuda")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import reference_ops as ref
-from conftest import relerr
+from support import relerr
 from ocria_rt import _core
 
 TOL = 1e-5

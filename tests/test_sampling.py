@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import ocria_rt
-from conftest import FIXTURES, load_reference
+from support import FIXTURES, load_reference
 from ocria_rt import _core
 
 LOGITS = np.array([2.0, 1.5, 1.0, 0.2, -0.5, -1.0], dtype=np.float32)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import ocria_rt
-from conftest import FIXTURES, MODEL_FIXTURES, load_reference, relerr
+from support import FIXTURES, MODEL_FIXTURES, load_reference, relerr
 
 LOGIT_TOL = 1e-4
 

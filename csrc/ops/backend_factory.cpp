@@ -1,4 +1,5 @@
 // The CUDA entry points when the library is built without CUDA.
+#include "ocria_rt/engine.h"
 #include "ops/ops.h"
 
 namespace ocria_rt {

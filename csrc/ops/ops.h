@@ -156,9 +156,6 @@ class Backend {
   virtual int64_t graph_kernels() const { return 0; }  // kernel nodes in the kept graph
 };
 
-// Number of usable CUDA devices (0 when built without CUDA or none is visible).
-int cuda_device_count();
-
 std::unique_ptr<Backend> make_cpu_backend(int num_threads);
 // Throws Error(kDeviceError) when CUDA support was not compiled in or no device is usable.
 std::unique_ptr<Backend> make_cuda_backend(int device_index);

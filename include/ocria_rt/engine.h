@@ -85,5 +85,7 @@ class Engine {
 // Library version and build facts.
 std::string version();
 bool built_with_cuda();
+// Number of usable CUDA devices (0 when built without CUDA or none is visible).
+int cuda_device_count();
 
 }  // namespace ocria_rt

@@ -31,6 +31,7 @@ def build_info() -> dict[str, object]:
     return {
         "version": __version__,
         "cuda": bool(_core.built_with_cuda()),
+        "cuda_devices": int(_core.cuda_device_count()),
         "include_dir": str(_PACKAGE_DIR / "include"),
         "library_dir": str(_PACKAGE_DIR / "lib"),
         "cmake_dir": str(_PACKAGE_DIR / "lib" / "cmake" / "ocria_rt"),

@@ -1,0 +1,185 @@
+"""Shared pieces of the benchmarks: ceilings measured on the device, timing, random checkpoints."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+# Model shapes (text decoder). OCRIA-1 = Qwen3.5-4B text; 0.8B = Qwen3.5-0.8B text.
+SHAPES: dict[str, dict] = {
+    "ocria1-4b": dict(hidden_size=2560, num_hidden_layers=32, intermediate_size=9216, num_attention_heads=16,
+                      num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+                      linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320, tie_word_embeddings=True),
+    "qwen3.5-0.8b": dict(hidden_size=1024, num_hidden_layers=24, intermediate_size=3584, num_attention_heads=8,
+                         num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+                         linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320, tie_word_embeddings=True),
+}
+
+
+def full_config(shape: dict, max_pos: int = 65536) -> dict:
+    c = dict(shape)
+    c.update(model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"], hidden_act="silu", rms_norm_eps=1e-6,
+             max_position_embeddings=max_pos, linear_conv_kernel_dim=4, attention_bias=False,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                              "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+             partial_rotary_factor=0.25, torch_dtype="bfloat16", eos_token_id=None)
+    return c
+
+
+def layer_is_attention(i: int) -> bool:
+    return (i + 1) % 4 == 0
+
+
+def weight_shapes(c: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a text checkpoint (transformers key names)."""
+    H, I, hd = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    Hq, Hkv = c["num_attention_heads"], c["num_key_value_heads"]
+    HK, HV, dk, dv = c["linear_num_key_heads"], c["linear_num_value_heads"], c["linear_key_head_dim"], c["linear_value_head_dim"]
+    C = 2 * HK * dk + HV * dv
+    s: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c["vocab_size"], H), "model.norm.weight": (H,)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        s[p + "input_layernorm.weight"] = (H,)
+        s[p + "post_attention_layernorm.weight"] = (H,)
+        if layer_is_attention(i):
+            s[p + "self_attn.q_proj.weight"] = (Hq * hd * 2, H)
+            s[p + "self_attn.k_proj.weight"] = (Hkv * hd, H)
+            s[p + "self_attn.v_proj.weight"] = (Hkv * hd, H)
+            s[p + "self_attn.o_proj.weight"] = (H, Hq * hd)
+            s[p + "self_attn.q_norm.weight"] = (hd,)
+            s[p + "self_attn.k_norm.weight"] = (hd,)
+        else:
+            g = p + "linear_attn."
+            s[g + "in_proj_qkv.weight"] = (C, H)
+            s[g + "in_proj_z.weight"] = (HV * dv, H)
+            s[g + "in_proj_b.weight"] = (HV, H)
+            s[g + "in_proj_a.weight"] = (HV, H)
+            s[g + "out_proj.weight"] = (H, HV * dv)
+            s[g + "conv1d.weight"] = (C, 1, 4)
+            s[g + "A_log"] = (HV,)
+            s[g + "dt_bias"] = (HV,)
+            s[g + "norm.weight"] = (dv,)
+        s[p + "mlp.gate_proj.weight"] = (I, H)
+        s[p + "mlp.up_proj.weight"] = (I, H)
+        s[p + "mlp.down_proj.weight"] = (H, I)
+    return s
+
+
+def make_random_checkpoint(shape_name: str, directory: Path, seed: int = 0) -> Path:
+    """A BF16 checkpoint of random weights drawn on the GPU (scaled so activations stay O(1))."""
+    import torch
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    if (directory / "model.safetensors").exists():
+        return directory
+    c = full_config(SHAPES[shape_name])
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    tensors = {}
+    for name, shp in weight_shapes(c).items():
+        if name.endswith("A_log"):
+            t = torch.log(torch.rand(shp, device="cuda", generator=g) * 15 + 1)
+        elif name.endswith("dt_bias"):
+            t = torch.ones(shp, device="cuda")
+        elif name.endswith("norm.weight") and "linear_attn" in name:
+            t = torch.ones(shp, device="cuda")
+        elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            t = torch.zeros(shp, device="cuda")
+        elif name.endswith("conv1d.weight"):
+            t = torch.randn(shp, device="cuda", generator=g) * 0.3
+        else:
+            t = torch.randn(shp, device="cuda", generator=g) * (shp[-1] ** -0.5)
+        tensors[name] = t.to(torch.bfloat16).cpu()
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(c, indent=1))
+    return directory
+
+
+def bytes_per_decode_step(c: dict, context: int) -> dict[str, float]:
+    """The fewest bytes one batch-1 decode step must move: every weight once (BF16; the embedding
+    table only for its one row unless tied, when it is the LM head), the KV cache up to `context`,
+    and the DeltaNet states read and written (fp32)."""
+    shapes = weight_shapes(c)
+    weights = 0
+    for name, shp in shapes.items():
+        n = 1
+        for d in shp:
+            n *= d
+        if name == "model.embed_tokens.weight":
+            continue
+        weights += 2 * n
+    weights += 2 * c["vocab_size"] * c["hidden_size"]  # LM head (tied or not, it is read once)
+    n_attn = sum(layer_is_attention(i) for i in range(c["num_hidden_layers"]))
+    n_gdn = c["num_hidden_layers"] - n_attn
+    kv = n_attn * context * 2 * c["num_key_value_heads"] * c["head_dim"] * 2
+    HV, dk, dv = c["linear_num_value_heads"], c["linear_key_head_dim"], c["linear_value_head_dim"]
+    conv = 2 * c["linear_num_key_heads"] * dk + HV * dv
+    state = n_gdn * (HV * dk * dv * 4 * 2 + conv * 3 * 4 * 2)
+    return {"weights": float(weights), "kv_cache": float(kv), "gdn_state": float(state), "total": float(weights + kv + state)}
+
+
+def linear_params(c: dict) -> int:
+    """Weights that multiply each token (for prefill FLOPs): every projection and the LM head."""
+    total = 0
+    for name, shp in weight_shapes(c).items():
+        if len(shp) == 2 and name != "model.embed_tokens.weight":
+            total += shp[0] * shp[1]
+    return total + c["vocab_size"] * c["hidden_size"]
+
+
+def measure_copy_bandwidth(gib: float = 2.0, reps: int = 20) -> float:
+    """Device-to-device copy, bytes read + written per second (median)."""
+    import torch
+
+    n = int(gib * (1 << 30)) // 2
+    a = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    b = torch.empty_like(a)
+    times = cuda_times(lambda: b.copy_(a), reps)
+    return 2 * a.numel() * 2 / statistics.median(times)
+
+
+def measure_matmul_rate(n: int = 8192, reps: int = 20) -> float:
+    """BF16 n x n x n matrix product through torch (cuBLAS), FLOP/s on random data (median)."""
+    import torch
+
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    times = cuda_times(lambda: a @ b, reps)
+    return 2 * n**3 / statistics.median(times)
+
+
+def cuda_times(fn, reps: int, warmup: int = 3) -> list[float]:
+    """Seconds per call, timed with CUDA events after a warm-up."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        out.append(s.elapsed_time(e) / 1e3)
+    return out
+
+
+def wall(fn) -> float:
+    import torch
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def markdown_table(rows: list[dict], columns: list[str]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        lines.append("| " + " | ".join(str(r.get(c, "")) for c in columns) + " |")
+    return "\n".join(lines)

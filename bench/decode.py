@@ -1,0 +1,131 @@
+"""Batch-1 decode (and prefill) of Qwen3.5 text shapes on one GPU: ocria_rt against the roofline
+and against transformers + flash-linear-attention on the same weights, in the same process.
+
+    python bench/decode.py OUT.json [--shapes ocria1-4b,qwen3.5-0.8b] [--prompts 1024,8192]
+                                    [--new-tokens 512] [--peer-tokens 32] [--no-peer]
+
+Every figure sits beside its ceiling: decode against bytes-per-step / measured copy bandwidth,
+prefill against FLOPs / the measured BF16 matmul rate. Medians over --reps runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (SHAPES, bytes_per_decode_step, full_config, layer_is_attention, linear_params,  # noqa: E402
+                    make_random_checkpoint, markdown_table, measure_copy_bandwidth, measure_matmul_rate, wall)
+
+
+def prefill_flops(c: dict, n: int) -> float:
+    attn_layers = sum(layer_is_attention(i) for i in range(c["num_hidden_layers"]))
+    causal_attn = 2 * 2 * (n * n / 2) * c["num_attention_heads"] * c["head_dim"] * attn_layers
+    return 2.0 * linear_params(c) * n + causal_attn
+
+
+def bench_ours(model_dir: Path, prompt: list[int], new_tokens: int, reps: int) -> dict:
+    import ocria_rt
+
+    eng = ocria_rt.Engine(model_dir, device="cuda", max_context=len(prompt) + new_tokens + 8)
+    eng.generate(prompt[:64], max_new_tokens=8, stop_token_ids=[])  # warm-up: graph capture, module load
+    decode, prefill = [], []
+    for _ in range(reps):
+        r = eng.generate(prompt, max_new_tokens=new_tokens, stop_token_ids=[])
+        assert len(r.token_ids) == new_tokens
+        decode.append(r.decode_tokens_per_second)
+        prefill.append(r.prefill_seconds)
+    stats = eng.stats()
+    del eng
+    return {"decode_tokens_per_s": statistics.median(decode), "prefill_s": statistics.median(prefill),
+            "launches_per_step": stats["launches_per_decode_step"], "kernels_per_step": stats["kernels_per_decode_step"]}
+
+
+def bench_peer(model_dir: Path, prompt: list[int], new_tokens: int) -> dict:
+    """transformers 5.x with flash-linear-attention kernels (when importable), BF16, greedy."""
+    import torch
+    import transformers
+
+    try:
+        import fla  # noqa: F401
+
+        fla_version = getattr(fla, "__version__", "yes")
+    except ImportError:
+        fla_version = None
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    ids = torch.tensor([prompt], device="cuda")
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        model.generate(ids[:, :64], max_new_tokens=4, min_new_tokens=4, **kw)  # warm-up
+        t1 = wall(lambda: model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw))
+        tn = wall(lambda: model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw))
+    del model
+    torch.cuda.empty_cache()
+    return {"decode_tokens_per_s": (new_tokens - 1) / max(tn - t1, 1e-9), "prefill_s": t1, "fla": fla_version,
+            "tokens": new_tokens}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", type=Path, help="JSON output path")
+    ap.add_argument("--shapes", default="ocria1-4b,qwen3.5-0.8b")
+    ap.add_argument("--prompts", default="1024,8192")
+    ap.add_argument("--new-tokens", type=int, default=512)
+    ap.add_argument("--peer-tokens", type=int, default=32, help="tokens the (slow) peer generates")
+    ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/ocria-bench"))
+    args = ap.parse_args()
+
+    import torch
+
+    bw = measure_copy_bandwidth()
+    mm = measure_matmul_rate()
+    result = {"device": torch.cuda.get_device_name(), "copy_bandwidth_Bps": bw, "bf16_matmul_flops": mm, "runs": []}
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s", flush=True)
+    rows = []
+    rng = np.random.default_rng(0)
+    for shape in args.shapes.split(","):
+        c = full_config(SHAPES[shape])
+        model_dir = make_random_checkpoint(shape, args.workdir / shape)
+        for n in (int(x) for x in args.prompts.split(",")):
+            prompt = [int(t) for t in rng.integers(0, c["vocab_size"], n)]
+            ours = bench_ours(model_dir, prompt, args.new_tokens, args.reps)
+            mid_context = n + args.new_tokens // 2
+            need = bytes_per_decode_step(c, mid_context)
+            roof_tps = bw / need["total"]
+            flops = prefill_flops(c, n)
+            run = {"shape": shape, "prompt": n, "new_tokens": args.new_tokens, "ours": ours, "bytes_per_step": need,
+                   "roofline_tokens_per_s": roof_tps, "prefill_flops": flops}
+            if not args.no_peer:
+                run["peer"] = bench_peer(model_dir, prompt, args.peer_tokens)
+            result["runs"].append(run)
+            rows.append({
+                "model": shape, "prompt": n,
+                "ours tok/s": f"{ours['decode_tokens_per_s']:.1f}",
+                "ms/step": f"{1e3 / ours['decode_tokens_per_s']:.2f}",
+                "roofline tok/s": f"{roof_tps:.1f}",
+                "% roofline": f"{100 * ours['decode_tokens_per_s'] / roof_tps:.1f}",
+                "launches/step": ours["launches_per_step"], "kernels/step": ours["kernels_per_step"],
+                "prefill tok/s": f"{n / ours['prefill_s']:.0f}",
+                "prefill % matmul": f"{100 * flops / ours['prefill_s'] / mm:.1f}",
+                "peer tok/s": f"{run['peer']['decode_tokens_per_s']:.1f}" if "peer" in run else "-",
+                "speed-up": f"{ours['decode_tokens_per_s'] / run['peer']['decode_tokens_per_s']:.1f}x" if "peer" in run else "-",
+            })
+            args.out.write_text(json.dumps(result, indent=1))
+            print(rows[-1], flush=True)
+    print()
+    print(f"Device: {result['device']}; copy bandwidth {bw / 1e12:.2f} TB/s; BF16 matmul {mm / 1e12:.0f} TFLOP/s "
+          f"(both measured in this run). Roofline = bytes per step (weights + KV at mid-generation context + "
+          f"DeltaNet state) / copy bandwidth. Peer: transformers + flash-linear-attention, {args.peer_tokens} tokens.")
+    print(markdown_table(rows, list(rows[0].keys())))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
