@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One call on a GPU machine without internet: build and install from source, run the GPU tests and
+# the benchmarks, and leave logs and JSON in OUT_DIR.
+#
+#   bench/device_run.sh OUT_DIR [tests|kernels|decode|all ...]
+#
+# Dependencies the machine lacks come as wheels in .wheels/ (nvidia-cutlass for the CUTLASS headers,
+# flash-linear-attention + fla-core for the benchmark peer); everything else (torch, transformers,
+# numpy, pybind11, scikit-build-core, cmake, ninja, nvcc) must already be there.
+set -uo pipefail
+OUT_DIR=${1:?usage: bench/device_run.sh OUT_DIR [steps...]}
+shift
+STEPS=${*:-all}
+mkdir -p "$OUT_DIR"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+
+has_step() { [[ " $STEPS " == *" all "* || " $STEPS " == *" $1 "* ]]; }
+
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .wheels/*.whl || exit 1
+export PYTHONPATH=/tmp/site
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT_DIR/gpu.txt" 2>&1
+
+start=$(date +%s)
+OCRIA_RT_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install -q --no-build-isolation --no-deps . \
+  > "$OUT_DIR/build.log" 2>&1 || { tail -40 "$OUT_DIR/build.log"; exit 1; }
+echo "build: $(( $(date +%s) - start )) s"
+python3 -c "import ocria_rt, json; print(json.dumps(ocria_rt.build_info()))"
+
+status=0
+if has_step tests; then
+  python3 -m pytest -q -rs tests 2>&1 | tee "$OUT_DIR/tests.log" | tail -25
+  status=${PIPESTATUS[0]}
+fi
+if has_step kernels && [ -f bench/kernels.py ]; then
+  python3 bench/kernels.py "$OUT_DIR/kernels.json" 2>&1 | tee "$OUT_DIR/kernels.log" | tail -40
+fi
+if has_step decode; then
+  python3 bench/decode.py "$OUT_DIR/decode.json" ${DECODE_ARGS:-} 2>&1 | tee "$OUT_DIR/decode.log" | tail -20
+fi
+exit $status
