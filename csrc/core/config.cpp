@@ -172,6 +172,49 @@ ModelConfig load_model_config(const std::string& model_dir) {
                                         std::to_string(c.head_dim) + ")");
   if (!(c.rope_theta > 0)) r.fail("rope_theta", "must be positive");
 
+  if (rope) {
+    if (const json::Value* sec = rope->find("mrope_section")) {
+      int64_t total = 0;
+      for (const auto& v : sec->as_array()) total += c.mrope_section.emplace_back(v.as_int());
+      if (c.mrope_section.size() != 3 || total != c.rotary_dim / 2)
+        rr.fail("mrope_section", "must hold 3 sizes adding up to rotary_dim / 2 = " + std::to_string(c.rotary_dim / 2));
+    }
+  }
+  if (c.has_vision) {
+    ConfigReader v(*root.find("vision_config"), path, "vision_config.");
+    VisionConfig& vc = c.vision;
+    vc.depth = v.positive_int("depth");
+    vc.hidden_size = v.positive_int("hidden_size");
+    vc.num_heads = v.positive_int("num_heads");
+    vc.intermediate_size = v.positive_int("intermediate_size");
+    vc.in_channels = v.positive_int("in_channels", 3);
+    vc.patch_size = v.positive_int("patch_size", 16);
+    vc.temporal_patch_size = v.positive_int("temporal_patch_size", 2);
+    vc.spatial_merge_size = v.positive_int("spatial_merge_size", 2);
+    vc.out_hidden_size = v.positive_int("out_hidden_size");
+    vc.num_position_embeddings = v.positive_int("num_position_embeddings");
+    const auto side = int64_t(std::llround(std::sqrt(double(vc.num_position_embeddings))));
+    if (side * side != vc.num_position_embeddings) v.fail("num_position_embeddings", "must be a perfect square");
+    if (vc.hidden_size % vc.num_heads != 0 || vc.head_dim() % 4 != 0)
+      v.fail("num_heads", "must divide hidden_size into heads whose size is a multiple of 4");
+    if (vc.out_hidden_size != c.hidden_size)
+      v.fail("out_hidden_size", "must equal the text hidden_size " + std::to_string(c.hidden_size));
+    const std::string act = v.find("hidden_act") ? v.find("hidden_act")->as_string() : "gelu_pytorch_tanh";
+    if (act != "gelu_pytorch_tanh" && act != "gelu") v.fail("hidden_act", "is '" + act + "'; supported: gelu_pytorch_tanh, gelu");
+    vc.gelu_tanh = act == "gelu_pytorch_tanh";
+    if (const json::Value* vr = v.find("rope_parameters"))
+      if (const json::Value* th = vr->find("rope_theta")) vc.rope_theta = th->as_number();
+    ConfigReader top(root, path, "");
+    auto token = [&](const char* key, int64_t fallback) {
+      const int64_t id = top.positive_int(key, fallback);
+      if (id >= c.vocab_size) top.fail(key, "is outside the vocabulary (" + std::to_string(c.vocab_size) + ")");
+      return int32_t(id);
+    };
+    c.image_token_id = token("image_token_id", 248056);
+    c.vision_start_token_id = token("vision_start_token_id", 248053);
+    c.vision_end_token_id = token("vision_end_token_id", 248054);
+  }
+
   c.eos_token_ids = read_token_ids(r.find("eos_token_id"));
   if (c.eos_token_ids.empty()) c.eos_token_ids = read_token_ids(root.find("eos_token_id"));
   return c;

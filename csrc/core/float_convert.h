@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "core/tensor.h"
+
 namespace ocria_rt {
 
 inline float bf16_to_float(uint16_t h) {
@@ -29,6 +31,22 @@ inline float f16_to_float(uint16_t h) {
   else if (exp == 31) v = mant ? NAN : INFINITY;
   else v = std::ldexp(float(mant | 0x400), int(exp) - 25);
   return sign ? -v : v;
+}
+
+// dst[0:n] = src[0:n] converted to fp32 from F32 / BF16 / F16 / I32.
+inline void convert_to_f32(const void* src, DType src_dtype, float* dst, int64_t n) {
+  switch (src_dtype) {
+    case DType::F32: std::memcpy(dst, src, size_t(n) * 4); break;
+    case DType::BF16:
+      for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(static_cast<const uint16_t*>(src)[i]);
+      break;
+    case DType::F16:
+      for (int64_t i = 0; i < n; ++i) dst[i] = f16_to_float(static_cast<const uint16_t*>(src)[i]);
+      break;
+    case DType::I32:
+      for (int64_t i = 0; i < n; ++i) dst[i] = float(static_cast<const int32_t*>(src)[i]);
+      break;
+  }
 }
 
 }  // namespace ocria_rt

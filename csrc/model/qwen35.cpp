@@ -1,56 +1,10 @@
 #include "model/qwen35.h"
 
+#include "model/weight_loader.h"
+
 #include <cmath>
 
 namespace ocria_rt {
-
-namespace {
-
-// Loads tensors from the checkpoint into backend memory, concatenating parts along dimension 0.
-class WeightLoader {
- public:
-  WeightLoader(const Checkpoint& ck, Backend& be, Arena& arena, std::string prefix)
-      : ck_(ck), be_(be), arena_(arena), prefix_(std::move(prefix)) {}
-
-  // One tensor named prefix + name with exactly `shape` (at most 2-D here: [rows] or [rows, cols]).
-  Tensor load(const std::string& name, std::vector<int64_t> shape, DType dtype) {
-    return concat({{name, shape}}, dtype);
-  }
-  // Several [rows_i, cols] tensors stacked into one [sum rows_i, cols].
-  Tensor concat(const std::vector<std::pair<std::string, std::vector<int64_t>>>& parts, DType dtype) {
-    int64_t rows = 0;
-    std::vector<const TensorRecord*> recs;
-    for (const auto& [name, shape] : parts) {
-      recs.push_back(&ck_.require(prefix_ + name, shape));
-      rows += shape[0];
-    }
-    const std::vector<int64_t>& s0 = parts[0].second;
-    const int64_t cols = s0.size() == 1 ? 1 : s0[1];
-    Tensor t = s0.size() == 1 ? arena_.alloc(dtype, {rows}) : arena_.alloc(dtype, {rows, cols});
-    int64_t r = 0;
-    for (size_t i = 0; i < parts.size(); ++i) {
-      const int64_t n = parts[i].second[0];
-      Tensor dst = t.rows(r, n);
-      if (dst.ndim == 1) dst = dst.view({n, 1});
-      be_.copy_from_host(dst, recs[i]->data, recs[i]->dtype);
-      r += n;
-    }
-    return t;
-  }
-  LinearWeight linear(const std::vector<std::pair<std::string, std::vector<int64_t>>>& parts) {
-    LinearWeight w;
-    w.weight = concat(parts, be_.weight_dtype());
-    return w;
-  }
-
- private:
-  const Checkpoint& ck_;
-  Backend& be_;
-  Arena& arena_;
-  std::string prefix_;
-};
-
-}  // namespace
 
 Qwen35Model::Qwen35Model(const ModelConfig& config, const Checkpoint& ck, Backend& backend, Arena& arena)
     : cfg_(config), be_(backend) {

@@ -8,9 +8,32 @@
 
 namespace ocria_rt {
 
+// The ViT encoder of a Qwen3.5 VLM checkpoint (config.json "vision_config").
+struct VisionConfig {
+  int64_t depth = 0;
+  int64_t hidden_size = 0;
+  int64_t num_heads = 0;
+  int64_t intermediate_size = 0;
+  int64_t in_channels = 3;
+  int64_t patch_size = 16;
+  int64_t temporal_patch_size = 2;
+  int64_t spatial_merge_size = 2;
+  int64_t out_hidden_size = 0;          // the text model's hidden size
+  int64_t num_position_embeddings = 0;  // a square grid of learned position embeddings
+  double rope_theta = 10000.0;
+  bool gelu_tanh = true;                // blocks' MLP activation (gelu_pytorch_tanh)
+
+  int64_t head_dim() const { return hidden_size / num_heads; }
+  int64_t patch_dim() const { return in_channels * temporal_patch_size * patch_size * patch_size; }
+  int64_t merge_unit() const { return spatial_merge_size * spatial_merge_size; }
+};
+
 struct ModelConfig {
   std::string model_type;  // "qwen3_5_text" or "qwen3_5" (the text_config of the latter)
-  bool has_vision = false;  // the checkpoint holds a vision encoder (not run yet)
+  bool has_vision = false;  // a VLM checkpoint: `vision` and the token ids below are set
+  VisionConfig vision;
+  int32_t image_token_id = -1, vision_start_token_id = -1, vision_end_token_id = -1;
+  std::vector<int64_t> mrope_section;  // M-RoPE frequency split over (t, h, w); empty: plain RoPE
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;

@@ -85,4 +85,59 @@ void CpuBackend::attention(const Tensor& q, const Tensor& k_cache, const Tensor&
   }
 }
 
+void CpuBackend::vision_attention(const Tensor& qkv, const Tensor& patch_pos, const Tensor& cu_seqlens,
+                                  int64_t num_heads, float rope_theta, const Tensor& out) {
+  const int64_t N = qkv.dim(0), H = num_heads, hd = qkv.dim(1) / (3 * H), quarter = hd / 4;
+  const int32_t* pos = ids_i32(patch_pos);
+  const int32_t* cu = ids_i32(cu_seqlens);
+  const int64_t images = cu_seqlens.dim(0) - 1;
+  // q, k of every patch and head with their 2-D rotation applied.
+  std::vector<float> q(N * H * hd), k(N * H * hd);
+#pragma omp parallel for num_threads(threads_) if (N > 16)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* row = row_f32(qkv, n);
+    for (int64_t h = 0; h < H; ++h)
+      for (int part = 0; part < 2; ++part) {
+        float* dst = (part == 0 ? q.data() : k.data()) + (n * H + h) * hd;
+        std::copy(row + part * H * hd + h * hd, row + part * H * hd + (h + 1) * hd, dst);
+        for (int64_t i = 0; i < hd / 2; ++i) {
+          const int64_t j = i < quarter ? i : i - quarter;
+          const float inv_freq = 1.0f / std::pow(rope_theta, float(4 * j) / float(hd));
+          const float angle = float(pos[2 * n + (i < quarter ? 0 : 1)]) * inv_freq;
+          const float c = float(std::cos(double(angle))), s = float(std::sin(double(angle)));
+          const float a = dst[i], b = dst[i + hd / 2];
+          dst[i] = a * c - b * s;
+          dst[i + hd / 2] = b * c + a * s;
+        }
+      }
+  }
+  const float scale = 1.0f / std::sqrt(float(hd));
+  for (int64_t img = 0; img < images; ++img) {
+    const int64_t b0 = cu[img], b1 = cu[img + 1];
+#pragma omp parallel for num_threads(threads_) schedule(dynamic)
+    for (int64_t nh = b0 * H; nh < b1 * H; ++nh) {
+      const int64_t n = nh / H, h = nh % H;
+      const float* qh = &q[(n * H + h) * hd];
+      std::vector<float> p(b1 - b0);
+      float mx = -INFINITY;
+      for (int64_t m = b0; m < b1; ++m) {
+        const float* kh = &k[(m * H + h) * hd];
+        float s = 0;
+        for (int64_t d = 0; d < hd; ++d) s += qh[d] * kh[d];
+        p[m - b0] = s * scale;
+        mx = std::max(mx, p[m - b0]);
+      }
+      double denom = 0;
+      for (float& v : p) denom += v = std::exp(v - mx);
+      std::vector<double> acc(hd, 0.0);
+      for (int64_t m = b0; m < b1; ++m) {
+        const float* vh = row_f32(qkv, m) + 2 * H * hd + h * hd;
+        for (int64_t d = 0; d < hd; ++d) acc[d] += double(p[m - b0]) * vh[d];
+      }
+      float* o = row_f32(out, n) + h * hd;
+      for (int64_t d = 0; d < hd; ++d) o[d] = float(acc[d] / denom);
+    }
+  }
+}
+
 }  // namespace ocria_rt

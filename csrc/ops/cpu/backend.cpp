@@ -40,20 +40,8 @@ void CpuBackend::copy_from_host(const Tensor& dst, const void* src, DType src_dt
   expect_cpu_f32(dst, "copy_from_host destination");
 #pragma omp parallel for num_threads(threads_) if (rows * cols > (1 << 16))
   for (int64_t r = 0; r < rows; ++r) {
-    float* d = row_f32(dst, r);
-    const int64_t base = r * cols;
-    switch (src_dtype) {
-      case DType::F32: std::memcpy(d, static_cast<const float*>(src) + base, cols * 4); break;
-      case DType::BF16:
-        for (int64_t c = 0; c < cols; ++c) d[c] = bf16_to_float(static_cast<const uint16_t*>(src)[base + c]);
-        break;
-      case DType::F16:
-        for (int64_t c = 0; c < cols; ++c) d[c] = f16_to_float(static_cast<const uint16_t*>(src)[base + c]);
-        break;
-      case DType::I32:
-        for (int64_t c = 0; c < cols; ++c) d[c] = float(static_cast<const int32_t*>(src)[base + c]);
-        break;
-    }
+    const size_t offset = size_t(r * cols) * dtype_size(src_dtype);
+    convert_to_f32(static_cast<const char*>(src) + offset, src_dtype, row_f32(dst, r), cols);
   }
 }
 

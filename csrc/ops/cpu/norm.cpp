@@ -35,6 +35,23 @@ void CpuBackend::add_rms_norm(const Tensor& residual, const Tensor& delta, const
   rms_norm(residual, weight, out, eps);
 }
 
+void CpuBackend::layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out, float eps) {
+  const int64_t D = weight.dim(0), R = x.numel() / D, per_row = x.row_size() / D;
+  const float* w = weight.ptr<const float>();
+  const float* b = bias.ptr<const float>();
+#pragma omp parallel for num_threads(threads_) if (R > 64)
+  for (int64_t r = 0; r < R; ++r) {
+    const float* xr = row_f32(x, r / per_row) + (r % per_row) * D;
+    float* yr = row_f32(out, r / per_row) + (r % per_row) * D;
+    double mean = 0, var = 0;
+    for (int64_t i = 0; i < D; ++i) mean += xr[i];
+    mean /= double(D);
+    for (int64_t i = 0; i < D; ++i) var += (xr[i] - mean) * (xr[i] - mean);
+    const float inv = 1.0f / std::sqrt(float(var / double(D)) + eps);
+    for (int64_t i = 0; i < D; ++i) yr[i] = float(xr[i] - mean) * inv * w[i] + b[i];
+  }
+}
+
 void CpuBackend::gdn_gated_norm(const Tensor& o, const Tensor& z, const Tensor& weight, const GdnParams& p,
                                 const Tensor& out) {
   const int64_t T = o.dim(0), HV = p.num_v_heads, dv = p.v_head_dim;
