@@ -62,6 +62,18 @@ SamplingParams make_params(int64_t max_new_tokens, float temperature, int64_t to
   return sp;
 }
 
+ImageBatch to_images(const py::array_t<float, py::array::c_style | py::array::forcecast>& pixel_values,
+                     const py::array_t<int64_t, py::array::c_style | py::array::forcecast>& grid_thw) {
+  if (pixel_values.ndim() != 2) throw Error(ErrorCode::kInvalidArgument, "pixel_values must be 2-D [patches, patch_dim]");
+  if (grid_thw.ndim() != 2 || grid_thw.shape(1) != 3)
+    throw Error(ErrorCode::kInvalidArgument, "image_grid_thw must be [images, 3]");
+  ImageBatch b;
+  b.pixel_values.assign(pixel_values.data(), pixel_values.data() + pixel_values.size());
+  for (py::ssize_t i = 0; i < grid_thw.shape(0); ++i)
+    b.grid_thw.push_back({grid_thw.at(i, 0), grid_thw.at(i, 1), grid_thw.at(i, 2)});
+  return b;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -81,18 +93,19 @@ PYBIND11_MODULE(_core, m) {
 
   py::class_<Engine>(m, "Engine")
       .def(py::init([](const std::string& dir, const std::string& device, int64_t max_context, int64_t prefill_chunk,
-                       int num_threads, bool cuda_graphs) {
+                       int num_threads, bool cuda_graphs, int64_t max_image_patches) {
              EngineOptions o;
              o.device = device;
              o.max_context = max_context;
              o.prefill_chunk = prefill_chunk;
              o.num_threads = num_threads;
              o.cuda_graphs = cuda_graphs;
+             o.max_image_patches = max_image_patches;
              py::gil_scoped_release release;
              return Engine::create(dir, o);
            }),
            py::arg("model_dir"), py::arg("device") = "cpu", py::arg("max_context") = 0, py::arg("prefill_chunk") = 0,
-           py::arg("num_threads") = 0, py::arg("cuda_graphs") = true)
+           py::arg("num_threads") = 0, py::arg("cuda_graphs") = true, py::arg("max_image_patches") = 16384)
       .def_property_readonly("config", [](const Engine& e) { return config_to_dict(e.config()); })
       .def_property_readonly("max_context", &Engine::max_context)
       .def("stats", [](const Engine& e) {
@@ -130,6 +143,19 @@ PYBIND11_MODULE(_core, m) {
         return e.next_token();
       })
       .def_property_readonly("last_prefill_seconds", &Engine::last_prefill_seconds)
+      .def("encode_images", [](Engine& e, py::array_t<float, py::array::c_style | py::array::forcecast> pixel_values,
+                               py::array_t<int64_t, py::array::c_style | py::array::forcecast> grid_thw) {
+        ImageBatch images = to_images(pixel_values, grid_thw);
+        std::vector<float> out;
+        {
+          py::gil_scoped_release release;
+          out = e.encode_images(images);
+        }
+        const int64_t H = e.config().hidden_size;
+        py::array_t<float> arr({int64_t(out.size()) / H, H});
+        std::copy(out.begin(), out.end(), arr.mutable_data());
+        return arr;
+      }, py::arg("pixel_values"), py::arg("image_grid_thw"))
       .def("generate", [](Engine& e, const std::vector<int32_t>& ids, int64_t max_new_tokens, float temperature, int64_t top_k,
                           float top_p, uint64_t seed, std::vector<int32_t> stop) {
              py::gil_scoped_release release;

@@ -9,6 +9,7 @@
 #include "core/arena.h"
 #include "core/safetensors.h"
 #include "model/qwen35.h"
+#include "model/qwen35_vision.h"
 #include "ops/ops.h"
 
 namespace ocria_rt {
@@ -48,6 +49,11 @@ class EngineImpl final : public Engine {
     {
       Checkpoint ck = Checkpoint::open(model_dir);  // mapped only while the weights are loaded
       model_ = std::make_unique<Qwen35Model>(config_, ck, *backend_, *weights_);
+      if (config_.has_vision) {
+        if (opt.max_image_patches < config_.vision.merge_unit())
+          throw Error(ErrorCode::kInvalidArgument, "max_image_patches must be at least " + std::to_string(config_.vision.merge_unit()));
+        vision_ = std::make_unique<Qwen35Vision>(config_, ck, *backend_, *weights_, *work_, opt.max_image_patches);
+      }
     }
     state_ = model_->make_state(*state_arena_, max_context_);
     ws_ = model_->make_workspace(*work_, prefill_chunk_);
@@ -143,6 +149,13 @@ class EngineImpl final : public Engine {
 
   double last_prefill_seconds() const override { return prefill_seconds_; }
 
+  std::vector<float> encode_images(const ImageBatch& images) override {
+    Tensor out = vision_->encode(images.pixel_values.data(), checked_grids(images));
+    std::vector<float> host(size_t(out.numel()));
+    backend_->copy_to_host(host.data(), out);
+    return host;
+  }
+
  private:
   void validate_tokens(const std::vector<int32_t>& tokens, const char* what) const {
     if (tokens.empty()) throw Error(ErrorCode::kInvalidArgument, std::string(what) + " is empty: at least one token is needed");
@@ -154,6 +167,30 @@ class EngineImpl final : public Engine {
         throw Error(ErrorCode::kInvalidArgument, std::string(what) + ": token id " + std::to_string(tokens[i]) + " at index " +
                                                      std::to_string(i) + " is outside the vocabulary [0, " +
                                                      std::to_string(config_.vocab_size) + ")");
+  }
+
+  // The images' grids, after checking them against the vision config and the pixel data.
+  std::vector<ImageGrid> checked_grids(const ImageBatch& images) const {
+    if (!vision_) throw Error(ErrorCode::kInvalidArgument, "images given but this model has no vision encoder");
+    const VisionConfig& v = config_.vision;
+    if (images.grid_thw.empty()) throw Error(ErrorCode::kInvalidArgument, "images: grid_thw is empty");
+    std::vector<ImageGrid> grids;
+    int64_t patches = 0;
+    for (size_t i = 0; i < images.grid_thw.size(); ++i) {
+      const auto& g = images.grid_thw[i];
+      if (g[0] <= 0 || g[1] <= 0 || g[2] <= 0 || g[1] % v.spatial_merge_size || g[2] % v.spatial_merge_size)
+        throw Error(ErrorCode::kInvalidArgument, "image " + std::to_string(i) + ": grid (" + std::to_string(g[0]) + ", " +
+                                                     std::to_string(g[1]) + ", " + std::to_string(g[2]) +
+                                                     ") must be positive with h and w multiples of " +
+                                                     std::to_string(v.spatial_merge_size));
+      grids.push_back({g[0], g[1], g[2]});
+      patches += g[0] * g[1] * g[2];
+    }
+    if (int64_t(images.pixel_values.size()) != patches * v.patch_dim())
+      throw Error(ErrorCode::kInvalidArgument, "images: pixel_values holds " + std::to_string(images.pixel_values.size()) +
+                                                   " values but the grids need " + std::to_string(patches) + " patches x " +
+                                                   std::to_string(v.patch_dim()));
+    return grids;
   }
 
   void run_forward(const int32_t* tokens, int64_t start_pos, int64_t T) {
@@ -197,6 +234,7 @@ class EngineImpl final : public Engine {
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<Arena> weights_, state_arena_, work_;
   std::unique_ptr<Qwen35Model> model_;
+  std::unique_ptr<Qwen35Vision> vision_;  // VLMs only
   SequenceState state_;
   Workspace ws_;
   Tensor ids_, positions_, logits_;

@@ -7,6 +7,7 @@
 // Everything reports failures as ocria_rt::Error (see error.h). An Engine serves one sequence at a
 // time; it is not thread-safe.
 #pragma once
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -24,6 +25,14 @@ struct EngineOptions {
   int64_t prefill_chunk = 0;    // tokens per prefill forward; 0: backend default
   int num_threads = 0;          // CPU backend threads; 0: all cores
   bool cuda_graphs = true;      // CUDA backend: replay the decode step as one captured graph
+  int64_t max_image_patches = 16384;  // VLMs: vision-encoder patches per call (16384 = a 2048 x 2048 page)
+};
+
+// Images as the image processor emits them (ocria_rt.preprocess_image, or transformers'
+// Qwen2VLImageProcessor): patches in spatial-merge-window order.
+struct ImageBatch {
+  std::vector<float> pixel_values;               // [sum of t*h*w, channels * temporal_patch * patch^2]
+  std::vector<std::array<int64_t, 3>> grid_thw;  // per image: (t, h, w) in patches
 };
 
 struct SamplingParams {
@@ -76,6 +85,9 @@ class Engine {
   virtual void start(const std::vector<int32_t>& prompt, const SamplingParams& params) = 0;
   virtual int32_t next_token() = 0;
   virtual double last_prefill_seconds() const = 0;
+
+  // VLMs: the vision encoder's merged output for `images`, row-major [patches / merge^2, hidden].
+  virtual std::vector<float> encode_images(const ImageBatch& images) = 0;
 
   // on_token returns false to stop early (finish_reason "cancelled").
   GenerationResult generate(const std::vector<int32_t>& prompt, const SamplingParams& params,

@@ -54,6 +54,7 @@ class Engine:
         prefill_chunk: int = 0,
         num_threads: int = 0,
         cuda_graphs: bool = True,
+        max_image_patches: int = 16384,
     ) -> None:
         from . import default_model_dir
 
@@ -65,6 +66,7 @@ class Engine:
             prefill_chunk=prefill_chunk,
             num_threads=num_threads,
             cuda_graphs=cuda_graphs,
+            max_image_patches=max_image_patches,
         )
         self.device = device
         self.config: dict[str, object] = self._core.config
@@ -102,6 +104,12 @@ class Engine:
         if ids.size and (ids.min() < -(2**31) or ids.max() >= 2**31):
             raise InvalidArgumentError("token ids must fit in int32")
         return [int(t) for t in ids]
+
+    # ---- images ----
+    def encode_images(self, pixel_values: np.ndarray, image_grid_thw: np.ndarray) -> np.ndarray:
+        """The vision encoder's merged output (np.float32 [patches / merge^2, hidden]) for images as
+        ocria_rt.preprocess_image (or transformers' processor) returns them."""
+        return self._core.encode_images(np.asarray(pixel_values, np.float32), np.asarray(image_grid_thw, np.int64))
 
     # ---- scoring and generation ----
     def score(self, prompt: Prompt, chunk: int = 0) -> np.ndarray:

@@ -1,0 +1,206 @@
+// KernelBench: times single backend ops on device-resident random data, for bench/kernels.py.
+// Only the Backend interface is used (no CUDA headers): `iters` calls of an op are captured into a
+// graph (where the backend supports graphs) and the graph is replayed `reps` times; each replay is
+// timed on the host around replay() + synchronize(), so a figure is the time per call in a stream
+// of back-to-back calls (launch gaps included, host launch overhead not). Weights and caches are
+// replicated so that a timed sequence streams at least 256 MiB and does not run out of L2.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <functional>
+#include <vector>
+
+#include "ops/ops.h"
+
+namespace py = pybind11;
+using namespace ocria_rt;
+
+namespace {
+
+constexpr int64_t kStreamBytes = int64_t(256) << 20;
+
+class KernelBench {
+ public:
+  explicit KernelBench(const std::string& device)
+      : be_(device == "cpu" ? make_cpu_backend(0)
+                            : make_cuda_backend(device == "cuda" ? 0 : std::stoi(device.substr(5)))) {}
+  ~KernelBench() { release_all(); }
+
+  // Microseconds per call of linear: out[M, N] = x[M, K] W[N, K]^T.
+  std::vector<double> linear(int64_t M, int64_t N, int64_t K, int iters, int reps) {
+    Scope scope(this);
+    const int64_t copies = copies_for(N * K * dtype_size(be_->weight_dtype()));
+    std::vector<LinearWeight> ws(copies);
+    for (auto& w : ws) w.weight = random({N, K}, be_->weight_dtype(), 1.0f / std::sqrt(float(K)));
+    Tensor x = random({M, K}, be_->activation_dtype(), 1.0f), out = alloc({M, N}, be_->activation_dtype());
+    return time([&](int i) { be_->linear(x, ws[i % copies], out); }, iters, reps);
+  }
+
+  // Microseconds per call of gdn_recurrent (or gdn_chunked) over T tokens.
+  std::vector<double> gdn(int64_t T, int64_t hk, int64_t hv, int64_t dk, int64_t dv, bool chunked, int iters, int reps) {
+    Scope scope(this);
+    GdnParams p{hk, hv, dk, dv, 4, 1e-6f};
+    const int64_t copies = copies_for(hv * dk * dv * 4);
+    std::vector<Tensor> states(copies);
+    for (auto& s : states) s = random({hv, dk, dv}, DType::F32, 0.05f);
+    Tensor qkv = random({T, p.conv_dim()}, be_->activation_dtype(), 1.0f);
+    Tensor ba = random({T, 2 * hv}, be_->activation_dtype(), 1.0f);
+    Tensor a_log = random({hv}, DType::F32, 0.5f), dt_bias = random({hv}, DType::F32, 0.5f);
+    Tensor out = alloc({T, hv * dv}, be_->activation_dtype());
+    return time(
+        [&](int i) {
+          if (chunked) be_->gdn_chunked(qkv, ba, a_log, dt_bias, states[i % copies], p, out);
+          else be_->gdn_recurrent(qkv, ba, a_log, dt_bias, states[i % copies], p, out);
+        },
+        iters, reps);
+  }
+
+  // Microseconds per call of attention for T new tokens at the end of a context of `context` rows.
+  std::vector<double> attention(int64_t T, int64_t context, int64_t hq, int64_t hkv, int64_t hd, int iters, int reps) {
+    Scope scope(this);
+    AttentionParams p{hq, hkv, hd, hd / 4, 1e7f, 1e-6f, float(1.0 / std::sqrt(double(hd)))};
+    const DType act = be_->activation_dtype();
+    const int64_t copies = copies_for(2 * context * hkv * hd * dtype_size(act));
+    std::vector<Tensor> kc(copies), vc(copies);
+    for (int64_t c = 0; c < copies; ++c) {
+      kc[c] = random({context, hkv, hd}, act, 1.0f);
+      vc[c] = random({context, hkv, hd}, act, 1.0f);
+    }
+    Tensor q = random({T, hq, hd}, act, 1.0f), qkv = random({T, (2 * hq + 2 * hkv) * hd}, act, 1.0f);
+    Tensor out = alloc({T, hq * hd}, act), pos = alloc({T}, DType::I32);
+    std::vector<int32_t> positions(T);
+    for (int64_t t = 0; t < T; ++t) positions[t] = int32_t(context - T + t);
+    be_->copy_from_host(pos, positions.data(), DType::I32);
+    return time([&](int i) { be_->attention(q, kc[i % copies], vc[i % copies], qkv, pos, p, out); }, iters, reps);
+  }
+
+  // Microseconds per call of sample over R rows of V fp32 logits.
+  std::vector<double> sample(int64_t R, int64_t V, float temperature, int32_t top_k, float top_p, int iters, int reps) {
+    Scope scope(this);
+    Tensor logits = random({R, V}, DType::F32, 3.0f), tokens = alloc({R}, DType::I32), step = alloc({1}, DType::I32);
+    be_->fill_zero(step);
+    SamplerConfig cfg{temperature, top_k, top_p, 1234};
+    return time([&](int) { be_->sample(logits, cfg, step, tokens); }, iters, reps);
+  }
+
+  // Microseconds per call of a row gather that is a plain copy (embedding with ids 0..rows-1): a
+  // bandwidth reference through the backend itself. Bytes moved = 2 * rows * cols * element size.
+  std::vector<double> copy(int64_t rows, int64_t cols, int iters, int reps) {
+    Scope scope(this);
+    const DType act = be_->activation_dtype();
+    Tensor table = random({rows, cols}, act, 1.0f), out = alloc({rows, cols}, act), ids = alloc({rows}, DType::I32);
+    std::vector<int32_t> v(rows);
+    for (int64_t i = 0; i < rows; ++i) v[i] = int32_t(i);
+    be_->copy_from_host(ids, v.data(), DType::I32);
+    return time([&](int) { be_->embedding(table, ids, out); }, iters, reps);
+  }
+
+  const char* name() const { return be_->name(); }
+
+ private:
+  // Frees what an op's benchmark allocated when it returns.
+  struct Scope {
+    explicit Scope(KernelBench* b) : b(b) {}
+    ~Scope() { b->release_all(); }
+    KernelBench* b;
+  };
+
+  static int64_t copies_for(int64_t bytes) { return std::max<int64_t>(1, (kStreamBytes + bytes - 1) / bytes); }
+
+  Tensor alloc(std::initializer_list<int64_t> dims, DType dtype) {
+    Tensor t(nullptr, dtype, be_->device(), dims);
+    t.data = be_->allocate(std::max<size_t>(t.nbytes(), 16));
+    owned_.push_back(t.data);
+    return t;
+  }
+
+  // Pseudo-normal values (sum of uniforms) times `scale`, uploaded a slab at a time.
+  Tensor random(std::initializer_list<int64_t> dims, DType dtype, float scale) {
+    Tensor t = alloc(dims, dtype);
+    const int64_t n = t.numel(), rows = t.ndim <= 1 ? n : t.dim(0), cols = n / std::max<int64_t>(rows, 1);
+    const int64_t slab_rows = std::max<int64_t>(1, (int64_t(1) << 22) / std::max<int64_t>(cols, 1));
+    std::vector<float> buf(size_t(std::min(rows, slab_rows) * cols));
+    for (int64_t r0 = 0; r0 < rows; r0 += slab_rows) {
+      const int64_t nr = std::min(slab_rows, rows - r0);
+      for (size_t i = 0; i < size_t(nr * cols); ++i) {
+        float s = 0;
+        for (int j = 0; j < 4; ++j) s += float(next() >> 40) * (1.0f / 16777216.0f);
+        buf[i] = (s - 2.0f) * 1.7320508f * scale;  // sum of 4 U(0,1): variance 1/3
+      }
+      Tensor part = t.ndim <= 1 ? Tensor(static_cast<char*>(t.data) + r0 * dtype_size(dtype), dtype, t.device, {nr})
+                                : t.rows(r0, nr);
+      be_->copy_from_host(part, buf.data(), DType::F32);
+    }
+    return t;
+  }
+
+  uint64_t next() {  // xorshift64*
+    rng_ ^= rng_ >> 12;
+    rng_ ^= rng_ << 25;
+    rng_ ^= rng_ >> 27;
+    return rng_ * 0x2545F4914F6CDD1Dull;
+  }
+
+  std::vector<double> time(const std::function<void(int)>& call, int iters, int reps) {
+    iters = std::max(1, iters);
+    std::vector<double> us;
+    auto run_all = [&] {
+      for (int i = 0; i < iters; ++i) call(i);
+    };
+    const bool graphs = be_->supports_graphs();
+    run_all();  // warm-up (module load, first-call attribute setting) outside the capture
+    be_->synchronize();
+    if (graphs) {
+      be_->begin_capture();
+      try {
+        run_all();
+      } catch (...) {
+        be_->end_capture();
+        throw;
+      }
+      be_->end_capture();
+      be_->replay();
+      be_->synchronize();
+    }
+    for (int r = 0; r < std::max(1, reps); ++r) {
+      const auto t0 = std::chrono::steady_clock::now();
+      if (graphs) be_->replay();
+      else run_all();
+      be_->synchronize();
+      const auto t1 = std::chrono::steady_clock::now();
+      us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count() / iters);
+    }
+    return us;
+  }
+
+  void release_all() {
+    for (void* p : owned_) be_->release(p);
+    owned_.clear();
+  }
+
+  std::unique_ptr<Backend> be_;
+  std::vector<void*> owned_;
+  uint64_t rng_ = 0x9E3779B97F4A7C15ull;
+};
+
+}  // namespace
+
+void register_kernel_bench(py::module_& m) {
+  py::class_<KernelBench>(m, "KernelBench",
+                          "Times single backend ops on device-resident random data (for bench/kernels.py). "
+                          "Every method returns microseconds per call, one figure per replay.")
+      .def(py::init<const std::string&>(), py::arg("device"))
+      .def_property_readonly("name", &KernelBench::name)
+      .def("linear", &KernelBench::linear, py::arg("M"), py::arg("N"), py::arg("K"), py::arg("iters") = 50,
+           py::arg("reps") = 10)
+      .def("gdn", &KernelBench::gdn, py::arg("T"), py::arg("hk"), py::arg("hv"), py::arg("dk"), py::arg("dv"),
+           py::arg("chunked") = false, py::arg("iters") = 50, py::arg("reps") = 10)
+      .def("attention", &KernelBench::attention, py::arg("T"), py::arg("context"), py::arg("hq"), py::arg("hkv"),
+           py::arg("hd"), py::arg("iters") = 50, py::arg("reps") = 10)
+      .def("sample", &KernelBench::sample, py::arg("R"), py::arg("V"), py::arg("temperature"), py::arg("top_k"),
+           py::arg("top_p"), py::arg("iters") = 20, py::arg("reps") = 10)
+      .def("copy", &KernelBench::copy, py::arg("rows"), py::arg("cols"), py::arg("iters") = 20, py::arg("reps") = 10);
+}
