@@ -19,9 +19,20 @@ def sigmoid(x):
     return 1 / (1 + np.exp(-x))
 
 
-def rope(x, pos, rot, theta):
+def mrope_axes(half, section):
+    """Which of (t, h, w) each rotary frequency follows under interleaved M-RoPE."""
+    j = np.arange(half)
+    axes = np.zeros(half, dtype=int)
+    axes[(j % 3 == 1) & (j < 3 * section[1])] = 1
+    axes[(j % 3 == 2) & (j < 3 * section[2])] = 2
+    return axes
+
+
+def rope(x, pos, rot, theta, section=(0, 0, 0)):
+    """pos: a scalar, or the (t, h, w) triple of M-RoPE."""
     x = x.astype(np.float64).copy()
     half = rot // 2
+    pos = np.broadcast_to(np.asarray(pos, dtype=np.float64), (3,))[mrope_axes(half, section)]
     ang = pos * (1.0 / theta ** (np.arange(0, rot, 2) / rot))
     c, s = np.cos(ang), np.sin(ang)
     a, b = x[..., :half].copy(), x[..., half:rot].copy()
@@ -30,13 +41,13 @@ def rope(x, pos, rot, theta):
     return x
 
 
-def attention_prepare(qkv, q_norm, k_norm, positions, hq, hkv, hd, rot, theta, eps):
+def attention_prepare(qkv, q_norm, k_norm, rope_positions, hq, hkv, hd, rot, theta, eps, section=(0, 0, 0)):
     T = qkv.shape[0]
     q = qkv[:, : hq * 2 * hd].reshape(T, hq, 2 * hd)[..., :hd]
     k = qkv[:, hq * 2 * hd : hq * 2 * hd + hkv * hd].reshape(T, hkv, hd)
     v = qkv[:, hq * 2 * hd + hkv * hd :].reshape(T, hkv, hd)
-    q = np.stack([rope(rms_norm(q[t], q_norm, eps), positions[t], rot, theta) for t in range(T)])
-    k = np.stack([rope(rms_norm(k[t], k_norm, eps), positions[t], rot, theta) for t in range(T)])
+    q = np.stack([rope(rms_norm(q[t], q_norm, eps), rope_positions[t], rot, theta, section) for t in range(T)])
+    k = np.stack([rope(rms_norm(k[t], k_norm, eps), rope_positions[t], rot, theta, section) for t in range(T)])
     return q, k, v
 
 

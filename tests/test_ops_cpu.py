@@ -51,16 +51,20 @@ def test_silu_mul(cpu):
     assert relerr(cpu.silu_mul(gu), ref.silu(gu[:, :45].astype(np.float64)) * gu[:, 45:]) <= TOL
 
 
-@pytest.mark.parametrize("hq,hkv,hd,rot,T,start", [(4, 2, 32, 8, 5, 0), (4, 1, 16, 4, 1, 9), (6, 3, 64, 16, 12, 3)])
-def test_attention(cpu, hq, hkv, hd, rot, T, start):
+@pytest.mark.parametrize("hq,hkv,hd,rot,T,start,section", [(4, 2, 32, 8, 5, 0, ()), (4, 1, 16, 4, 1, 9, ()),
+                                                            (6, 3, 64, 16, 12, 3, ()), (4, 2, 64, 64, 9, 2, (11, 11, 10))])
+def test_attention(cpu, hq, hkv, hd, rot, T, start, section):
     rng = np.random.default_rng(hq * hd + T)
     ctx = start + T + 4
     qkv = randn(rng, T, (2 * hq + 2 * hkv) * hd)
     qn, kn = randn(rng, hd, scale=0.1), randn(rng, hd, scale=0.1)
     k_cache, v_cache = randn(rng, ctx, hkv, hd), randn(rng, ctx, hkv, hd)  # rows < start: earlier tokens
     pos = np.arange(start, start + T, dtype=np.int32)
-    q, kc, vc = cpu.attention_prepare(qkv, qn, kn, pos, k_cache, v_cache, hq, hkv, hd, rot, 1e6, 1e-6)
-    rq, rk, rv = ref.attention_prepare(qkv, qn, kn, pos, hq, hkv, hd, rot, 1e6, 1e-6)
+    # rotary positions: equal axes for text; distinct (t, h, w) when M-RoPE sections are given
+    rope_pos = np.repeat(pos[:, None], 3, 1) if not section else rng.integers(0, 50, (T, 3)).astype(np.int32)
+    q, kc, vc = cpu.attention_prepare(qkv, qn, kn, pos, rope_pos, k_cache, v_cache, hq, hkv, hd, rot, 1e6, 1e-6,
+                                      list(section))
+    rq, rk, rv = ref.attention_prepare(qkv, qn, kn, rope_pos, hq, hkv, hd, rot, 1e6, 1e-6, section or (0, 0, 0))
     assert relerr(q, rq) <= TOL
     assert relerr(kc[pos], rk) <= TOL and relerr(vc[pos], rv) <= TOL
     untouched = np.setdiff1d(np.arange(ctx), pos)

@@ -59,3 +59,34 @@ def test_bad_image_inputs(vlm):
     text_only = ocria_rt.Engine(FIXTURES / "text_tied")
     with pytest.raises(ocria_rt.InvalidArgumentError, match="no vision encoder"):
         text_only.encode_images(pv, grid)
+
+
+@pytest.mark.parametrize("prompt,images", [("p1", 1), ("p2", 2)])
+def test_multimodal_logits_match_transformers(vlm, prompt, images):
+    grids = REF["image_grid_thw"][:images]
+    pv = REF["pixel_values"][: int(np.prod(grids, axis=1).sum())]
+    ids, want = REF[f"{prompt}_input_ids"], REF[f"{prompt}_logits"]
+    assert relerr(vlm.score(ids, pixel_values=pv, image_grid_thw=grids), want) <= 1e-4
+    # token by token: image features enter one row at a time, M-RoPE positions the same
+    assert relerr(vlm.score(ids, chunk=1, pixel_values=pv, image_grid_thw=grids), want) <= 1e-4
+
+
+def test_generation_after_images_continues_the_positions(vlm):
+    """Decode steps after an image use position index + rope delta: greedy generate must equal the
+    argmax of scoring prompt + generated tokens in one pass (where M-RoPE positions are exact)."""
+    grids = REF["image_grid_thw"]
+    pv, ids = REF["pixel_values"], list(REF["p2_input_ids"])
+    res = vlm.generate(ids, max_new_tokens=12, stop_token_ids=[], pixel_values=pv, image_grid_thw=grids)
+    logits = vlm.score(ids + res.token_ids[:-1], pixel_values=pv, image_grid_thw=grids)
+    np.testing.assert_array_equal(logits[len(ids) - 1 :].argmax(-1), res.token_ids)
+
+
+def test_image_token_mismatches(vlm):
+    grids = REF["image_grid_thw"]
+    ids = REF["p2_input_ids"]
+    with pytest.raises(ocria_rt.InvalidArgumentError, match="no images were given"):
+        vlm.score(ids)
+    with pytest.raises(ocria_rt.InvalidArgumentError, match="image-token runs"):
+        vlm.score(ids, pixel_values=REF["pixel_values"][: int(np.prod(grids[0]))], image_grid_thw=grids[:1])
+    with pytest.raises(ocria_rt.InvalidArgumentError, match="together"):
+        vlm.score(ids, pixel_values=REF["pixel_values"])

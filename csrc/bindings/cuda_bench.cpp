@@ -61,7 +61,14 @@ class KernelBench {
   // Microseconds per call of attention for T new tokens at the end of a context of `context` rows.
   std::vector<double> attention(int64_t T, int64_t context, int64_t hq, int64_t hkv, int64_t hd, int iters, int reps) {
     Scope scope(this);
-    AttentionParams p{hq, hkv, hd, hd / 4, 1e7f, 1e-6f, float(1.0 / std::sqrt(double(hd)))};
+    AttentionParams p;
+    p.num_q_heads = hq;
+    p.num_kv_heads = hkv;
+    p.head_dim = hd;
+    p.rotary_dim = hd / 4;
+    p.rope_theta = 1e7f;
+    p.norm_eps = 1e-6f;
+    p.scale = float(1.0 / std::sqrt(double(hd)));
     const DType act = be_->activation_dtype();
     const int64_t copies = copies_for(2 * context * hkv * hd * dtype_size(act));
     std::vector<Tensor> kc(copies), vc(copies);

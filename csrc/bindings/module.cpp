@@ -4,6 +4,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <optional>
+
 #include "ocria_rt/engine.h"
 
 namespace py = pybind11;
@@ -62,8 +64,10 @@ SamplingParams make_params(int64_t max_new_tokens, float temperature, int64_t to
   return sp;
 }
 
-ImageBatch to_images(const py::array_t<float, py::array::c_style | py::array::forcecast>& pixel_values,
-                     const py::array_t<int64_t, py::array::c_style | py::array::forcecast>& grid_thw) {
+using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
+using IntArray = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+
+ImageBatch to_images(const FloatArray& pixel_values, const IntArray& grid_thw) {
   if (pixel_values.ndim() != 2) throw Error(ErrorCode::kInvalidArgument, "pixel_values must be 2-D [patches, patch_dim]");
   if (grid_thw.ndim() != 2 || grid_thw.shape(1) != 3)
     throw Error(ErrorCode::kInvalidArgument, "image_grid_thw must be [images, 3]");
@@ -72,6 +76,13 @@ ImageBatch to_images(const py::array_t<float, py::array::c_style | py::array::fo
   for (py::ssize_t i = 0; i < grid_thw.shape(0); ++i)
     b.grid_thw.push_back({grid_thw.at(i, 0), grid_thw.at(i, 1), grid_thw.at(i, 2)});
   return b;
+}
+
+std::optional<ImageBatch> maybe_images(const std::optional<FloatArray>& pixel_values, const std::optional<IntArray>& grid_thw) {
+  if (pixel_values.has_value() != grid_thw.has_value())
+    throw Error(ErrorCode::kInvalidArgument, "pixel_values and image_grid_thw must be given together");
+  if (!pixel_values) return std::nullopt;
+  return to_images(*pixel_values, *grid_thw);
 }
 
 }  // namespace
@@ -120,31 +131,37 @@ PYBIND11_MODULE(_core, m) {
         d["kernels_per_decode_step"] = s.kernels_per_decode_step;
         return d;
       })
-      .def("score", [](Engine& e, const std::vector<int32_t>& ids, int64_t chunk) {
+      .def("score", [](Engine& e, const std::vector<int32_t>& ids, int64_t chunk, std::optional<FloatArray> pixel_values,
+                       std::optional<IntArray> grid_thw) {
+        std::optional<ImageBatch> images = maybe_images(pixel_values, grid_thw);
         std::vector<float> logits;
         {
           py::gil_scoped_release release;
-          logits = e.score(ids, chunk);
+          logits = e.score(ids, chunk, images ? &*images : nullptr);
         }
         const int64_t V = e.config().vocab_size;
         py::array_t<float> out({int64_t(ids.size()), V});
         std::copy(logits.begin(), logits.end(), out.mutable_data());
         return out;
-      }, py::arg("token_ids"), py::arg("chunk") = 0)
+      }, py::arg("token_ids"), py::arg("chunk") = 0, py::arg("pixel_values") = py::none(),
+         py::arg("image_grid_thw") = py::none())
       .def("start", [](Engine& e, const std::vector<int32_t>& ids, int64_t max_new_tokens, float temperature, int64_t top_k,
-                       float top_p, uint64_t seed, std::vector<int32_t> stop) {
+                       float top_p, uint64_t seed, std::vector<int32_t> stop, std::optional<FloatArray> pixel_values,
+                       std::optional<IntArray> grid_thw) {
+             std::optional<ImageBatch> images = maybe_images(pixel_values, grid_thw);
              py::gil_scoped_release release;
-             e.start(ids, make_params(max_new_tokens, temperature, top_k, top_p, seed, std::move(stop)));
+             e.start(ids, make_params(max_new_tokens, temperature, top_k, top_p, seed, std::move(stop)),
+                     images ? &*images : nullptr);
            },
            py::arg("token_ids"), py::arg("max_new_tokens"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
-           py::arg("seed"), py::arg("stop_token_ids"))
+           py::arg("seed"), py::arg("stop_token_ids"), py::arg("pixel_values") = py::none(),
+           py::arg("image_grid_thw") = py::none())
       .def("next_token", [](Engine& e) {
         py::gil_scoped_release release;
         return e.next_token();
       })
       .def_property_readonly("last_prefill_seconds", &Engine::last_prefill_seconds)
-      .def("encode_images", [](Engine& e, py::array_t<float, py::array::c_style | py::array::forcecast> pixel_values,
-                               py::array_t<int64_t, py::array::c_style | py::array::forcecast> grid_thw) {
+      .def("encode_images", [](Engine& e, FloatArray pixel_values, IntArray grid_thw) {
         ImageBatch images = to_images(pixel_values, grid_thw);
         std::vector<float> out;
         {
@@ -157,12 +174,16 @@ PYBIND11_MODULE(_core, m) {
         return arr;
       }, py::arg("pixel_values"), py::arg("image_grid_thw"))
       .def("generate", [](Engine& e, const std::vector<int32_t>& ids, int64_t max_new_tokens, float temperature, int64_t top_k,
-                          float top_p, uint64_t seed, std::vector<int32_t> stop) {
+                          float top_p, uint64_t seed, std::vector<int32_t> stop, std::optional<FloatArray> pixel_values,
+                          std::optional<IntArray> grid_thw) {
+             std::optional<ImageBatch> images = maybe_images(pixel_values, grid_thw);
              py::gil_scoped_release release;
-             return e.generate(ids, make_params(max_new_tokens, temperature, top_k, top_p, seed, std::move(stop)));
+             return e.generate(ids, make_params(max_new_tokens, temperature, top_k, top_p, seed, std::move(stop)), nullptr,
+                               images ? &*images : nullptr);
            },
            py::arg("token_ids"), py::arg("max_new_tokens"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
-           py::arg("seed"), py::arg("stop_token_ids"));
+           py::arg("seed"), py::arg("stop_token_ids"), py::arg("pixel_values") = py::none(),
+           py::arg("image_grid_thw") = py::none());
 
   register_op_runner(m);
 }

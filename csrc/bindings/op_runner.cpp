@@ -75,8 +75,18 @@ class OpRunner {
   std::vector<void*> allocations_;
 };
 
-AttentionParams attn_params(int64_t hq, int64_t hkv, int64_t hd, int64_t rot, float theta, float eps) {
-  return {hq, hkv, hd, rot, theta, eps, float(1.0 / std::sqrt(double(hd)))};
+AttentionParams attn_params(int64_t hq, int64_t hkv, int64_t hd, int64_t rot, float theta, float eps,
+                            const std::vector<int32_t>& mrope_section = {}) {
+  AttentionParams p;
+  p.num_q_heads = hq;
+  p.num_kv_heads = hkv;
+  p.head_dim = hd;
+  p.rotary_dim = rot;
+  p.rope_theta = theta;
+  p.norm_eps = eps;
+  p.scale = float(1.0 / std::sqrt(double(hd)));
+  for (size_t a = 0; a < 3 && a < mrope_section.size(); ++a) p.mrope_section[a] = mrope_section[a];
+  return p;
 }
 GdnParams gdn_params(int64_t hk, int64_t hv, int64_t dk, int64_t dv, float eps) { return {hk, hv, dk, dv, 4, eps}; }
 
@@ -114,15 +124,19 @@ void register_op_runner(py::module_& m) {
         return r.download(out);
       })
       .def("attention_prepare",
-           [](OpRunner& r, F32Array qkv, F32Array q_norm, F32Array k_norm, I32Array positions, F32Array k_cache,
-              F32Array v_cache, int64_t hq, int64_t hkv, int64_t hd, int64_t rot, float theta, float eps) {
-             AttentionParams p = attn_params(hq, hkv, hd, rot, theta, eps);
+           [](OpRunner& r, F32Array qkv, F32Array q_norm, F32Array k_norm, I32Array positions, I32Array rope_positions,
+              F32Array k_cache, F32Array v_cache, int64_t hq, int64_t hkv, int64_t hd, int64_t rot, float theta, float eps,
+              std::vector<int32_t> mrope_section) {
+             AttentionParams p = attn_params(hq, hkv, hd, rot, theta, eps, mrope_section);
              Tensor q = r.poisoned({qkv.shape(0), hq, hd}, r.act());
              Tensor kc = r.upload(k_cache, r.act()), vc = r.upload(v_cache, r.act());
              r.be().attention_prepare(r.upload(qkv, r.act()), r.upload(q_norm, DType::F32), r.upload(k_norm, DType::F32),
-                                      r.upload_i32(positions), p, q, kc, vc);
+                                      r.upload_i32(positions), r.upload_i32(rope_positions), p, q, kc, vc);
              return py::make_tuple(r.download(q), r.download(kc), r.download(vc));
-           })
+           },
+           py::arg("qkv"), py::arg("q_norm"), py::arg("k_norm"), py::arg("positions"), py::arg("rope_positions"),
+           py::arg("k_cache"), py::arg("v_cache"), py::arg("hq"), py::arg("hkv"), py::arg("hd"), py::arg("rot"),
+           py::arg("theta"), py::arg("eps"), py::arg("mrope_section") = std::vector<int32_t>{})
       .def("attention",
            [](OpRunner& r, F32Array q, F32Array k_cache, F32Array v_cache, F32Array qkv, I32Array positions, int64_t hq,
               int64_t hkv, int64_t hd) {

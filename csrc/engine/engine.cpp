@@ -10,6 +10,7 @@
 #include "core/safetensors.h"
 #include "model/qwen35.h"
 #include "model/qwen35_vision.h"
+#include "model/vision_grid.h"
 #include "ops/ops.h"
 
 namespace ocria_rt {
@@ -59,10 +60,12 @@ class EngineImpl final : public Engine {
     ws_ = model_->make_workspace(*work_, prefill_chunk_);
     ids_ = work_->alloc(DType::I32, {prefill_chunk_});
     positions_ = work_->alloc(DType::I32, {prefill_chunk_});
+    rope_positions_ = work_->alloc(DType::I32, {prefill_chunk_, 3});
     logits_ = work_->alloc(backend_->activation_dtype(), {kLogitRows, config_.vocab_size});
     step_ = work_->alloc(DType::I32, {1});
     token_ = work_->alloc(DType::I32, {1});
     decode_position_ = work_->alloc(DType::I32, {1});
+    decode_rope_position_ = work_->alloc(DType::I32, {1, 3});
     use_graphs_ = opt.cuda_graphs && backend_->supports_graphs();
     backend_->synchronize();
   }
@@ -83,27 +86,23 @@ class EngineImpl final : public Engine {
     return s;
   }
 
-  std::vector<float> score(const std::vector<int32_t>& tokens, int64_t chunk) override {
+  std::vector<float> score(const std::vector<int32_t>& tokens, int64_t chunk, const ImageBatch* images) override {
     validate_tokens(tokens, "score");
     if (chunk < 0) throw Error(ErrorCode::kInvalidArgument, "chunk must be >= 0 (0: the prefill chunk), got " + std::to_string(chunk));
-    const int64_t step = chunk > 0 ? std::min(chunk, prefill_chunk_) : prefill_chunk_;
     active_ = false;
-    model_->reset(state_);
-    const int64_t n = int64_t(tokens.size()), V = config_.vocab_size;
-    std::vector<float> out(size_t(n * V));
-    for (int64_t c0 = 0; c0 < n; c0 += step) {
-      const int64_t T = std::min(step, n - c0);
-      run_forward(tokens.data() + c0, c0, T);
+    const int64_t V = config_.vocab_size;
+    std::vector<float> out(tokens.size() * size_t(V));
+    prefill(tokens, chunk > 0 ? std::min(chunk, prefill_chunk_) : prefill_chunk_, images, [&](int64_t c0, int64_t T) {
       for (int64_t r0 = 0; r0 < T; r0 += kLogitRows) {
         const int64_t R = std::min(kLogitRows, T - r0);
         model_->logits(ws_.normed.rows(r0, R), logits_.rows(0, R));
         backend_->copy_to_host(out.data() + (c0 + r0) * V, logits_.rows(0, R));
       }
-    }
+    });
     return out;
   }
 
-  void start(const std::vector<int32_t>& prompt, const SamplingParams& sp) override {
+  void start(const std::vector<int32_t>& prompt, const SamplingParams& sp, const ImageBatch* images) override {
     validate_tokens(prompt, "prompt");
     if (sp.max_new_tokens <= 0)
       throw Error(ErrorCode::kInvalidArgument, "max_new_tokens must be positive, got " + std::to_string(sp.max_new_tokens));
@@ -123,13 +122,15 @@ class EngineImpl final : public Engine {
     active_ = false;
     sampler_ = {sp.temperature, int32_t(std::min<int64_t>(sp.top_k, config_.vocab_size)), sp.top_p, sp.seed};
     remaining_ = sp.max_new_tokens;
-    model_->reset(state_);
     const int32_t zero = 0, n = int32_t(prompt.size());
     backend_->copy_from_host(step_, &zero, DType::I32);
-    for (int64_t c0 = 0; c0 < n; c0 += prefill_chunk_) run_forward(prompt.data() + c0, c0, std::min(prefill_chunk_, n - c0));
-    // The first new token comes from the prompt's last position; decode steps continue at position n.
+    const int64_t delta = prefill(prompt, prefill_chunk_, images, nullptr);
+    // The first new token comes from the prompt's last position; decode steps continue at sequence
+    // index n, rotary position n + delta (delta < 0 after images, whose positions are compressed).
     sample_into_token(ws_.normed.rows((n - 1) % prefill_chunk_, 1));
+    const int32_t rope_n = int32_t(n + delta), rope3[3] = {rope_n, rope_n, rope_n};
     backend_->copy_from_host(decode_position_, &n, DType::I32);
+    backend_->copy_from_host(decode_rope_position_, rope3, DType::I32);
     backend_->copy_to_host(&pending_, token_);
     active_ = true;
     first_ = true;
@@ -193,12 +194,54 @@ class EngineImpl final : public Engine {
     return grids;
   }
 
-  void run_forward(const int32_t* tokens, int64_t start_pos, int64_t T) {
-    std::vector<int32_t> pos(static_cast<size_t>(T));
-    for (int64_t i = 0; i < T; ++i) pos[i] = int32_t(start_pos + i);
-    backend_->copy_from_host(ids_.rows(0, T), tokens, DType::I32);
-    backend_->copy_from_host(positions_.rows(0, T), pos.data(), DType::I32);
-    model_->forward(ids_.rows(0, T), positions_.rows(0, T), state_, ws_, /*chunked_gdn=*/T > 1);
+  // Runs `tokens` as a fresh sequence, `step` tokens per forward. With images, their encoder
+  // output replaces the embeddings of the image-token runs and the rotary positions follow M-RoPE.
+  // after_chunk(c0, T) sees each chunk's final hidden rows in ws_.normed. Returns the rotary
+  // position offset of the tokens that follow (0 without images).
+  int64_t prefill(const std::vector<int32_t>& tokens, int64_t step, const ImageBatch* images,
+                  const std::function<void(int64_t, int64_t)>& after_chunk) {
+    const int64_t n = int64_t(tokens.size());
+    int64_t delta = 0;
+    std::vector<int32_t> rope;  // [n, 3]
+    Tensor features;            // merged image features, one row per image token
+    if (images) {
+      const std::vector<ImageGrid> grids = checked_grids(*images);
+      rope = mrope_positions(tokens, config_.image_token_id, grids, config_.vision.spatial_merge_size, &delta);
+      features = vision_->encode(images->pixel_values.data(), grids);
+    } else {
+      if (config_.has_vision && std::find(tokens.begin(), tokens.end(), config_.image_token_id) != tokens.end())
+        throw Error(ErrorCode::kInvalidArgument, "the tokens hold image tokens (id " + std::to_string(config_.image_token_id) +
+                                                     ") but no images were given");
+      rope.resize(size_t(3 * n));
+      for (int64_t i = 0; i < 3 * n; ++i) rope[i] = int32_t(i / 3);
+    }
+    model_->reset(state_);
+    int64_t feature_row = 0;
+    std::vector<int32_t> pos(static_cast<size_t>(step));
+    for (int64_t c0 = 0; c0 < n; c0 += step) {
+      const int64_t T = std::min(step, n - c0);
+      for (int64_t i = 0; i < T; ++i) pos[i] = int32_t(c0 + i);
+      backend_->copy_from_host(ids_.rows(0, T), tokens.data() + c0, DType::I32);
+      backend_->copy_from_host(positions_.rows(0, T), pos.data(), DType::I32);
+      backend_->copy_from_host(rope_positions_.rows(0, T), rope.data() + 3 * c0, DType::I32);
+      model_->embed(ids_.rows(0, T), ws_);
+      if (images) {
+        for (int64_t i = 0; i < T;) {  // each run of image tokens in this chunk takes the next feature rows
+          if (tokens[c0 + i] != config_.image_token_id) {
+            ++i;
+            continue;
+          }
+          int64_t len = 0;
+          while (i + len < T && tokens[c0 + i + len] == config_.image_token_id) ++len;
+          backend_->copy(ws_.residual.rows(i, len), features.rows(feature_row, len));
+          feature_row += len;
+          i += len;
+        }
+      }
+      model_->forward_embedded(T, positions_.rows(0, T), rope_positions_.rows(0, T), state_, ws_, /*chunked_gdn=*/T > 1);
+      if (after_chunk) after_chunk(c0, T);
+    }
+    return delta;
   }
 
   // logits of one hidden row -> token_ (on the device; nothing is read back here).
@@ -211,9 +254,10 @@ class EngineImpl final : public Engine {
   // one comes out in token_, the position advances. Nothing here differs between steps, so a
   // backend with graphs captures it once (per sampler setting) and replays it with one launch.
   void decode_ops() {
-    model_->forward(token_, decode_position_, state_, ws_, /*chunked_gdn=*/false);
+    model_->forward(token_, decode_position_, decode_rope_position_, state_, ws_, /*chunked_gdn=*/false);
     sample_into_token(ws_.normed.rows(0, 1));
     backend_->increment(decode_position_, 1);
+    backend_->increment(decode_rope_position_, 1);
   }
 
   void decode_step() {
@@ -237,10 +281,11 @@ class EngineImpl final : public Engine {
   std::unique_ptr<Qwen35Vision> vision_;  // VLMs only
   SequenceState state_;
   Workspace ws_;
-  Tensor ids_, positions_, logits_;
+  Tensor ids_, positions_, rope_positions_, logits_;
   Tensor step_;             // I32 [1]: the sampler's draw counter
   Tensor token_;            // I32 [1]: the last sampled token, input of the next decode step
-  Tensor decode_position_;  // I32 [1]: position of the next decode step
+  Tensor decode_position_;       // I32 [1]: sequence index (cache row) of the next decode step
+  Tensor decode_rope_position_;  // I32 [1, 3]: its (t, h, w) rotary position
   bool use_graphs_ = false, graph_ready_ = false;
   SamplerConfig graph_sampler_;
   int64_t max_context_ = 0, prefill_chunk_ = 0;
@@ -259,9 +304,9 @@ std::unique_ptr<Engine> Engine::create(const std::string& model_dir, const Engin
 }
 
 GenerationResult Engine::generate(const std::vector<int32_t>& prompt, const SamplingParams& params,
-                                  const std::function<bool(int32_t)>& on_token) {
+                                  const std::function<bool(int32_t)>& on_token, const ImageBatch* images) {
   GenerationResult r;
-  start(prompt, params);
+  start(prompt, params, images);
   r.prompt_tokens = int64_t(prompt.size());
   r.prefill_seconds = last_prefill_seconds();
   r.finish_reason = "length";

@@ -13,7 +13,9 @@ Qwen35Model::Qwen35Model(const ModelConfig& config, const Checkpoint& ck, Backen
   const int64_t Hq = c.num_attention_heads, Hkv = c.num_key_value_heads;
   const int64_t HK = c.linear_num_key_heads, HV = c.linear_num_value_heads;
   const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, K = c.linear_conv_kernel_dim;
-  attn_ = {Hq, Hkv, hd, c.rotary_dim, float(c.rope_theta), float(c.rms_norm_eps), float(1.0 / std::sqrt(double(hd)))};
+  attn_ = {Hq, Hkv, hd, c.rotary_dim, float(c.rope_theta), {0, 0, 0}, float(c.rms_norm_eps),
+           float(1.0 / std::sqrt(double(hd)))};
+  for (size_t a = 0; a < 3 && a < c.mrope_section.size(); ++a) attn_.mrope_section[a] = int32_t(c.mrope_section[a]);
   gdn_ = {HK, HV, dk, dv, K, float(c.rms_norm_eps)};
   const int64_t C = gdn_.conv_dim();
 
@@ -109,15 +111,25 @@ Workspace Qwen35Model::make_workspace(Arena& arena, int64_t T) const {
   return ws;
 }
 
-void Qwen35Model::forward(const Tensor& ids, const Tensor& positions, SequenceState& state, Workspace& ws,
-                          bool chunked_gdn) const {
-  const int64_t T = ids.dim(0), I = cfg_.intermediate_size;
+void Qwen35Model::forward(const Tensor& ids, const Tensor& positions, const Tensor& rope_positions,
+                          SequenceState& state, Workspace& ws, bool chunked_gdn) const {
+  embed(ids, ws);
+  forward_embedded(ids.dim(0), positions, rope_positions, state, ws, chunked_gdn);
+}
+
+void Qwen35Model::embed(const Tensor& ids, Workspace& ws) const {
+  if (ids.dim(0) > ws.max_tokens) throw Error(ErrorCode::kInternal, "embed: more tokens than the workspace holds");
+  be_.embedding(embed_, ids, ws.residual.rows(0, ids.dim(0)));
+}
+
+void Qwen35Model::forward_embedded(int64_t T, const Tensor& positions, const Tensor& rope_positions,
+                                   SequenceState& state, Workspace& ws, bool chunked_gdn) const {
+  const int64_t I = cfg_.intermediate_size;
   const float eps = float(cfg_.rms_norm_eps);
   if (T > ws.max_tokens) throw Error(ErrorCode::kInternal, "forward: more tokens than the workspace holds");
   Tensor x = ws.residual.rows(0, T), normed = ws.normed.rows(0, T), delta = ws.delta.rows(0, T);
   Tensor proj = ws.proj.rows(0, T), mixed = ws.mixed.rows(0, T);
 
-  be_.embedding(embed_, ids, x);
   be_.rms_norm(x, layers_[0].input_norm, normed, eps);
   for (size_t li = 0; li < layers_.size(); ++li) {
     const DecoderLayer& L = layers_[li];
@@ -127,7 +139,7 @@ void Qwen35Model::forward(const Tensor& ids, const Tensor& positions, SequenceSt
       Tensor qkv = proj.cols(0, L.attn.qkv.out_features());
       Tensor q = ws.q.rows(0, T), attn_out = mixed.cols(0, hq);
       be_.linear(normed, L.attn.qkv, qkv);
-      be_.attention_prepare(qkv, L.attn.q_norm, L.attn.k_norm, positions, attn_, q, S.k_cache, S.v_cache);
+      be_.attention_prepare(qkv, L.attn.q_norm, L.attn.k_norm, positions, rope_positions, attn_, q, S.k_cache, S.v_cache);
       be_.attention(q, S.k_cache, S.v_cache, qkv, positions, attn_, attn_out);
       be_.linear(attn_out, L.attn.o, delta);
     } else {

@@ -59,10 +59,17 @@ class Qwen35Model {
   Workspace make_workspace(Arena& arena, int64_t max_tokens) const;
   void reset(SequenceState& state) const;  // zero the DeltaNet states (KV rows are overwritten as used)
 
-  // Runs T = ids.dim(0) tokens at `positions` (I32 [T], device) through the decoder, reading and
-  // updating `state`. Leaves the final-normed hidden states in ws.normed[0:T]. `chunked_gdn` picks
-  // the chunked DeltaNet form (prefill) over the recurrence (decode, verification).
-  void forward(const Tensor& ids, const Tensor& positions, SequenceState& state, Workspace& ws, bool chunked_gdn) const;
+  // Runs T = ids.dim(0) tokens through the decoder, reading and updating `state`: `positions`
+  // (I32 [T], device) are their indices in the sequence (cache rows), `rope_positions` (I32 [T, 3])
+  // their (t, h, w) rotary positions. Leaves the final-normed hidden states in ws.normed[0:T].
+  // `chunked_gdn` picks the chunked DeltaNet form (prefill) over the recurrence (decode, verify).
+  void forward(const Tensor& ids, const Tensor& positions, const Tensor& rope_positions, SequenceState& state,
+               Workspace& ws, bool chunked_gdn) const;
+  // The same in two steps, so that the caller can replace rows of the embeddings (image features)
+  // in ws.residual[0:T] between them.
+  void embed(const Tensor& ids, Workspace& ws) const;
+  void forward_embedded(int64_t T, const Tensor& positions, const Tensor& rope_positions, SequenceState& state,
+                        Workspace& ws, bool chunked_gdn) const;
   // logits [R, V] of hidden rows [R, H].
   void logits(const Tensor& hidden, const Tensor& out) const;
 

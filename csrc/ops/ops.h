@@ -39,6 +39,10 @@ struct AttentionParams {
   int64_t head_dim = 0;
   int64_t rotary_dim = 0;  // leading dims of each head that RoPE rotates, pairs (i, i + rotary_dim/2)
   float rope_theta = 0;
+  // Interleaved M-RoPE: frequency j (of rotary_dim/2) turns by the h position if j % 3 == 1 and
+  // j < 3 * mrope_section[1], by the w position if j % 3 == 2 and j < 3 * mrope_section[2], else
+  // by the t position. {0, 0, 0}: every frequency uses t (plain RoPE).
+  int32_t mrope_section[3] = {0, 0, 0};
   float norm_eps = 0;      // q_norm / k_norm epsilon
   float scale = 0;         // softmax scale, head_dim^-0.5
 };
@@ -103,11 +107,12 @@ class Backend {
 
   // Gated attention, step 1. qkv [T, Hq*2*hd + 2*Hkv*hd]: per q head [q (hd) | gate (hd)], then the
   // Hkv key heads, then the Hkv value heads. Applies q_norm / k_norm (zero-centred RMSNorm per head)
-  // and RoPE at positions[t] (I32 [T]) to q and k; writes q_out [T, Hq, hd] and stores k, v into
-  // row positions[t] of k_cache / v_cache [max_ctx, Hkv, hd].
+  // and RoPE at rope_positions[t] (I32 [T, 3]: t, h, w; equal for text) to q and k; writes
+  // q_out [T, Hq, hd] and stores k, v into row positions[t] (I32 [T], the cache row = the index in
+  // the sequence) of k_cache / v_cache [max_ctx, Hkv, hd].
   virtual void attention_prepare(const Tensor& qkv, const Tensor& q_norm, const Tensor& k_norm,
-                                 const Tensor& positions, const AttentionParams& p, const Tensor& q_out,
-                                 const Tensor& k_cache, const Tensor& v_cache) = 0;
+                                 const Tensor& positions, const Tensor& rope_positions, const AttentionParams& p,
+                                 const Tensor& q_out, const Tensor& k_cache, const Tensor& v_cache) = 0;
 
   // Gated attention, step 2. Causal attention of q [T, Hq, hd] over cache rows 0..positions[t]
   // (GQA: q head h reads kv head h / (Hq / Hkv)), times sigmoid(gate) read from qkv (layout above);
@@ -161,8 +166,12 @@ class Backend {
   virtual void vision_attention(const Tensor& qkv, const Tensor& patch_pos, const Tensor& cu_seqlens,
                                 int64_t num_heads, float rope_theta, const Tensor& out);
 
-  // counter[0] += by for an I32 [1] device tensor: a captured decode step advances its own position.
+  // counter[i] += by for every element of an I32 device tensor: a captured decode step advances
+  // its own position.
   virtual void increment(const Tensor& counter, int32_t by) = 0;
+
+  // dst <- src, both on the device, same dtype and shape (dimension 0 may be strided).
+  virtual void copy(const Tensor& dst, const Tensor& src) = 0;
 
   // ---- step graphs: the ops issued between begin_capture() and end_capture() are recorded (not
   // run) and replay() runs them all with one launch. Backends without graphs return false. ----

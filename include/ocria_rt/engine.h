@@ -78,11 +78,14 @@ class Engine {
   // Logits at every position of `token_ids`, row-major [n, vocab], fp32. Starts a fresh sequence.
   // The tokens go through the model `chunk` at a time (0: the prefill chunk; 1: token by token,
   // exactly as decoding does), so the prefill and decode paths can be checked against each other.
-  virtual std::vector<float> score(const std::vector<int32_t>& token_ids, int64_t chunk = 0) = 0;
+  // VLMs: `images` fill the runs of image tokens in order (one run of t*h*w/merge^2 tokens each).
+  virtual std::vector<float> score(const std::vector<int32_t>& token_ids, int64_t chunk = 0,
+                                   const ImageBatch* images = nullptr) = 0;
 
   // Incremental generation: start() prefills a fresh sequence; each next_token() returns one new
   // token (the first comes from the prompt's logits). generate() is the loop over both.
-  virtual void start(const std::vector<int32_t>& prompt, const SamplingParams& params) = 0;
+  virtual void start(const std::vector<int32_t>& prompt, const SamplingParams& params,
+                     const ImageBatch* images = nullptr) = 0;
   virtual int32_t next_token() = 0;
   virtual double last_prefill_seconds() const = 0;
 
@@ -91,7 +94,7 @@ class Engine {
 
   // on_token returns false to stop early (finish_reason "cancelled").
   GenerationResult generate(const std::vector<int32_t>& prompt, const SamplingParams& params,
-                            const std::function<bool(int32_t)>& on_token = nullptr);
+                            const std::function<bool(int32_t)>& on_token = nullptr, const ImageBatch* images = nullptr);
 };
 
 // Library version and build facts.

@@ -112,12 +112,20 @@ class Engine:
         return self._core.encode_images(np.asarray(pixel_values, np.float32), np.asarray(image_grid_thw, np.int64))
 
     # ---- scoring and generation ----
-    def score(self, prompt: Prompt, chunk: int = 0) -> np.ndarray:
+    def score(
+        self,
+        prompt: Prompt,
+        chunk: int = 0,
+        pixel_values: np.ndarray | None = None,
+        image_grid_thw: np.ndarray | None = None,
+    ) -> np.ndarray:
         """Logits (np.float32 [len(tokens), vocab]) at every position of a fresh sequence.
 
         chunk: tokens per forward pass (0: the engine's prefill chunk; 1: token by token, the decode path).
+        pixel_values / image_grid_thw (VLMs): the images, as preprocess_image(s) returns them, whose
+        features fill the runs of image tokens in the prompt, in order (as transformers' forward).
         """
-        return self._core.score(self._ids(prompt), int(chunk))
+        return self._core.score(self._ids(prompt), int(chunk), *_images(pixel_values, image_grid_thw))
 
     def generate(
         self,
@@ -128,6 +136,8 @@ class Engine:
         top_p: float = 1.0,
         seed: int = 0,
         stop_token_ids: Sequence[int] | None = None,
+        pixel_values: np.ndarray | None = None,
+        image_grid_thw: np.ndarray | None = None,
     ) -> GenerationResult:
         """Generates up to max_new_tokens tokens after `prompt` (text or token ids).
 
@@ -136,7 +146,8 @@ class Engine:
         """
         ids = self._ids(prompt)
         stops = self._stops(stop_token_ids)
-        r = self._core.generate(ids, int(max_new_tokens), float(temperature), int(top_k), float(top_p), _seed(seed), stops)
+        r = self._core.generate(ids, int(max_new_tokens), float(temperature), int(top_k), float(top_p), _seed(seed), stops,
+                                *_images(pixel_values, image_grid_thw))
         tokens = list(r.token_ids)
         return GenerationResult(
             token_ids=tokens,
@@ -157,11 +168,14 @@ class Engine:
         top_p: float = 1.0,
         seed: int = 0,
         stop_token_ids: Sequence[int] | None = None,
+        pixel_values: np.ndarray | None = None,
+        image_grid_thw: np.ndarray | None = None,
     ) -> Iterator[int]:
         """Yields new token ids one at a time (same arguments as generate)."""
         ids = self._ids(prompt)
         stops = self._stops(stop_token_ids)
-        self._core.start(ids, int(max_new_tokens), float(temperature), int(top_k), float(top_p), _seed(seed), stops)
+        self._core.start(ids, int(max_new_tokens), float(temperature), int(top_k), float(top_p), _seed(seed), stops,
+                         *_images(pixel_values, image_grid_thw))
         for _ in range(int(max_new_tokens)):
             tok = int(self._core.next_token())
             yield tok
@@ -170,6 +184,14 @@ class Engine:
 
     def _stops(self, stop_token_ids: Sequence[int] | None) -> list[int]:
         return list(self.eos_token_ids if stop_token_ids is None else (int(t) for t in stop_token_ids))
+
+
+def _images(pixel_values: np.ndarray | None, image_grid_thw: np.ndarray | None) -> tuple[object, object]:
+    if pixel_values is None and image_grid_thw is None:
+        return None, None
+    if pixel_values is None or image_grid_thw is None:
+        raise InvalidArgumentError("pixel_values and image_grid_thw must be given together")
+    return np.asarray(pixel_values, np.float32), np.asarray(image_grid_thw, np.int64)
 
 
 def _seed(seed: int) -> int:

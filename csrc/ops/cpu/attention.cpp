@@ -14,13 +14,20 @@ void head_norm(float* x, const float* w, int64_t n, float eps) {
   for (int64_t i = 0; i < n; ++i) x[i] = x[i] * inv * (1.0f + w[i]);
 }
 
+// Which of the (t, h, w) positions frequency j follows under interleaved M-RoPE (see ops.h).
+int mrope_axis(int64_t j, const int32_t* section) {
+  if (j % 3 == 1 && j < 3 * section[1]) return 1;
+  if (j % 3 == 2 && j < 3 * section[2]) return 2;
+  return 0;
+}
+
 // Rotate-half RoPE on the first `rot` dims: pairs (i, i + rot/2) turn by angle pos * theta^(-2i/rot).
 // The angle is formed in fp32 as transformers does, then cos/sin are evaluated accurately.
-void apply_rope(float* x, int64_t rot, int32_t pos, float theta) {
-  const int64_t half = rot / 2;
+void apply_rope(float* x, const AttentionParams& p, const int32_t* pos3) {
+  const int64_t rot = p.rotary_dim, half = rot / 2;
   for (int64_t i = 0; i < half; ++i) {
-    const float inv_freq = 1.0f / std::pow(theta, float(2 * i) / float(rot));
-    const float angle = float(pos) * inv_freq;
+    const float inv_freq = 1.0f / std::pow(p.rope_theta, float(2 * i) / float(rot));
+    const float angle = float(pos3[mrope_axis(i, p.mrope_section)]) * inv_freq;
     const float c = float(std::cos(double(angle))), s = float(std::sin(double(angle)));
     const float a = x[i], b = x[i + half];
     x[i] = a * c - b * s;
@@ -31,24 +38,25 @@ void apply_rope(float* x, int64_t rot, int32_t pos, float theta) {
 }  // namespace
 
 void CpuBackend::attention_prepare(const Tensor& qkv, const Tensor& q_norm, const Tensor& k_norm,
-                                   const Tensor& positions, const AttentionParams& p, const Tensor& q_out,
-                                   const Tensor& k_cache, const Tensor& v_cache) {
+                                   const Tensor& positions, const Tensor& rope_positions, const AttentionParams& p,
+                                   const Tensor& q_out, const Tensor& k_cache, const Tensor& v_cache) {
   const int64_t T = qkv.dim(0), Hq = p.num_q_heads, Hkv = p.num_kv_heads, hd = p.head_dim;
   const int64_t k_off = Hq * 2 * hd, v_off = k_off + Hkv * hd;
   const int32_t* pos = ids_i32(positions);
   for (int64_t t = 0; t < T; ++t) {
+    const int32_t* rpos = ids_i32(rope_positions) + 3 * t;
     const float* src = row_f32(qkv, t);
     for (int64_t h = 0; h < Hq; ++h) {
       float* q = row_f32(q_out, t) + h * hd;
       std::copy(src + h * 2 * hd, src + h * 2 * hd + hd, q);
       head_norm(q, q_norm.ptr<const float>(), hd, p.norm_eps);
-      apply_rope(q, p.rotary_dim, pos[t], p.rope_theta);
+      apply_rope(q, p, rpos);
     }
     for (int64_t h = 0; h < Hkv; ++h) {
       float* k = row_f32(k_cache, pos[t]) + h * hd;
       std::copy(src + k_off + h * hd, src + k_off + (h + 1) * hd, k);
       head_norm(k, k_norm.ptr<const float>(), hd, p.norm_eps);
-      apply_rope(k, p.rotary_dim, pos[t], p.rope_theta);
+      apply_rope(k, p, rpos);
       std::copy(src + v_off + h * hd, src + v_off + (h + 1) * hd, row_f32(v_cache, pos[t]) + h * hd);
     }
   }

@@ -51,6 +51,15 @@ void CpuBackend::copy_to_host(void* dst, const Tensor& src) {
     std::memcpy(static_cast<char*>(dst) + r * cols * 4, static_cast<const char*>(src.data) + r * src.row_stride * 4, cols * 4);
 }
 
+void CpuBackend::copy(const Tensor& dst, const Tensor& src) {
+  if (dst.dtype != src.dtype || dst.numel() != src.numel() || dst.row_size() != src.row_size())
+    throw Error(ErrorCode::kInternal, "copy: " + dst.shape_str() + " <- " + src.shape_str());
+  const size_t row_bytes = size_t(src.row_size()) * dtype_size(src.dtype);
+  for (int64_t r = 0; r < src.dim(0); ++r)
+    std::memcpy(static_cast<char*>(dst.data) + r * dst.row_stride * dtype_size(dst.dtype),
+                static_cast<const char*>(src.data) + r * src.row_stride * dtype_size(src.dtype), row_bytes);
+}
+
 void CpuBackend::fill_zero(const Tensor& t) {
   const int64_t rows = t.ndim == 0 ? 1 : t.dim(0), cols = t.ndim == 0 ? 1 : t.row_size();
   for (int64_t r = 0; r < rows; ++r)

@@ -33,8 +33,8 @@ class CpuBackend final : public Backend {
   void add(const Tensor& residual, const Tensor& delta) override;
   void silu_mul(const Tensor& gate_up, const Tensor& out) override;
   void attention_prepare(const Tensor& qkv, const Tensor& q_norm, const Tensor& k_norm, const Tensor& positions,
-                         const AttentionParams& p, const Tensor& q_out, const Tensor& k_cache,
-                         const Tensor& v_cache) override;
+                         const Tensor& rope_positions, const AttentionParams& p, const Tensor& q_out,
+                         const Tensor& k_cache, const Tensor& v_cache) override;
   void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& qkv,
                  const Tensor& positions, const AttentionParams& p, const Tensor& out) override;
   void gdn_conv(const Tensor& x, const Tensor& conv_weight, const Tensor& conv_state, const Tensor& out) override;
@@ -49,7 +49,10 @@ class CpuBackend final : public Backend {
   void gelu(const Tensor& x, const Tensor& out, bool tanh_approximation) override;
   void vision_attention(const Tensor& qkv, const Tensor& patch_pos, const Tensor& cu_seqlens, int64_t num_heads,
                         float rope_theta, const Tensor& out) override;
-  void increment(const Tensor& counter, int32_t by) override { counter.ptr<int32_t>()[0] += by; }
+  void increment(const Tensor& counter, int32_t by) override {
+    for (int64_t i = 0; i < counter.numel(); ++i) counter.ptr<int32_t>()[i] += by;
+  }
+  void copy(const Tensor& dst, const Tensor& src) override;
 
  private:
   int threads_;
