@@ -11,7 +11,8 @@
 namespace py = pybind11;
 using namespace ocria_rt;
 
-void register_op_runner(py::module_& m);  // op_runner.cpp
+void register_op_runner(py::module_& m);     // op_runner.cpp
+void register_kernel_bench(py::module_& m);  // cuda_bench.cpp
 
 namespace {
 
@@ -186,4 +187,5 @@ PYBIND11_MODULE(_core, m) {
            py::arg("image_grid_thw") = py::none());
 
   register_op_runner(m);
+  register_kernel_bench(m);
 }

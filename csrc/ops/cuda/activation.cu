@@ -1,0 +1,103 @@
+// add (residual += delta) and silu_mul (out = silu(gate) * up): element-wise over [T, D] rows whose
+// dimension 0 may be strided; 16-byte vectors where alignment allows.
+#include "ops/cuda/backend.cuh"
+
+namespace ocria_rt {
+namespace cuda {
+namespace {
+
+// grid (column blocks, T): residual[t, c] += delta[t, c].
+template <class T, int V>
+__global__ void add_kernel(T* __restrict__ res, int64_t ldr, const T* __restrict__ delta, int64_t ldd, int D) {
+  const int64_t t = blockIdx.y;
+  for (int c = (blockIdx.x * blockDim.x + threadIdx.x) * V; c < D; c += gridDim.x * blockDim.x * V) {
+    Pack<T, V> a = load_pack<T, V>(res + t * ldr + c);
+    const Pack<T, V> d = load_pack<T, V>(delta + t * ldd + c);
+#pragma unroll
+    for (int e = 0; e < V; ++e) a.v[e] = from_float<T>(to_float(a.v[e]) + to_float(d.v[e]));
+    store_pack(res + t * ldr + c, a);
+  }
+}
+
+// out[t, c] = silu(gate_up[t, c]) * gate_up[t, I + c].
+template <class T, int V>
+__global__ void silu_mul_kernel(const T* __restrict__ gu, int64_t ldg, T* __restrict__ out, int64_t ldo, int I) {
+  const int64_t t = blockIdx.y;
+  for (int c = (blockIdx.x * blockDim.x + threadIdx.x) * V; c < I; c += gridDim.x * blockDim.x * V) {
+    const Pack<T, V> g = load_pack<T, V>(gu + t * ldg + c);
+    const Pack<T, V> u = load_pack<T, V>(gu + t * ldg + I + c);
+    Pack<T, V> o;
+#pragma unroll
+    for (int e = 0; e < V; ++e) o.v[e] = from_float<T>(silu(to_float(g.v[e])) * to_float(u.v[e]));
+    store_pack(out + t * ldo + c, o);
+  }
+}
+
+dim3 grid_for(int64_t cols, int V, int64_t rows, int threads) {
+  int64_t blocks = (cols / V + threads - 1) / threads;
+  return dim3(unsigned(blocks < 1 ? 1 : blocks > 64 ? 64 : blocks), unsigned(rows));
+}
+
+int64_t stride_of(const Tensor& t) { return t.ndim <= 1 ? t.numel() : t.row_stride; }
+
+template <class T>
+void launch_add(const Tensor& res, const Tensor& delta, int64_t T_, int64_t D, cudaStream_t s) {
+  constexpr int V = vec16<T>();
+  const int64_t ldr = stride_of(res), ldd = stride_of(delta);
+  if (vec_ok(res.data, ldr, D, V, sizeof(T)) && vec_ok(delta.data, ldd, D, V, sizeof(T)))
+    add_kernel<T, V><<<grid_for(D, V, T_, 256), 256, 0, s>>>(res.ptr<T>(), ldr, delta.ptr<const T>(), ldd, int(D));
+  else
+    add_kernel<T, 1><<<grid_for(D, 1, T_, 256), 256, 0, s>>>(res.ptr<T>(), ldr, delta.ptr<const T>(), ldd, int(D));
+  check_launch("add_kernel");
+}
+
+template <class T>
+void launch_silu_mul(const Tensor& gu, const Tensor& out, int64_t T_, int64_t I, cudaStream_t s) {
+  constexpr int V = vec16<T>();
+  const int64_t ldg = gu.row_stride, ldo = out.row_stride;
+  if (vec_ok(gu.data, ldg, I, V, sizeof(T)) && vec_ok(out.data, ldo, I, V, sizeof(T)))
+    silu_mul_kernel<T, V><<<grid_for(I, V, T_, 256), 256, 0, s>>>(gu.ptr<const T>(), ldg, out.ptr<T>(), ldo, int(I));
+  else
+    silu_mul_kernel<T, 1><<<grid_for(I, 1, T_, 256), 256, 0, s>>>(gu.ptr<const T>(), ldg, out.ptr<T>(), ldo, int(I));
+  check_launch("silu_mul_kernel");
+}
+
+}  // namespace
+}  // namespace cuda
+
+void CudaBackend::add(const Tensor& residual, const Tensor& delta) {
+  using namespace cuda;
+  const char* op = "add";
+  require_float(residual, op, "residual");
+  require_tensor(delta, residual.dtype, op, "delta");
+  const int64_t T = residual.ndim <= 1 ? 1 : residual.dim(0);
+  const int64_t D = residual.ndim <= 1 ? residual.numel() : residual.row_size();
+  require(delta.numel() == T * D && (delta.ndim <= 1 ? 1 : delta.dim(0)) == T, op,
+          "residual " + residual.shape_str() + " vs delta " + delta.shape_str());
+  require(T <= 65535, op, "too many rows");
+  if (T == 0 || D == 0) return;
+  activate();
+  if (residual.dtype == DType::BF16)
+    launch_add<bf16>(residual, delta, T, D, stream_);
+  else
+    launch_add<float>(residual, delta, T, D, stream_);
+}
+
+void CudaBackend::silu_mul(const Tensor& gate_up, const Tensor& out) {
+  using namespace cuda;
+  const char* op = "silu_mul";
+  require_float(gate_up, op, "gate_up");
+  require_tensor(out, gate_up.dtype, op, "out");
+  require(gate_up.ndim == 2 && out.ndim == 2 && gate_up.dim(0) == out.dim(0) && gate_up.dim(1) == 2 * out.dim(1), op,
+          "gate_up " + gate_up.shape_str() + " vs out " + out.shape_str());
+  const int64_t T = out.dim(0), I = out.dim(1);
+  require(T <= 65535, op, "too many rows");
+  if (T == 0 || I == 0) return;
+  activate();
+  if (out.dtype == DType::BF16)
+    launch_silu_mul<bf16>(gate_up, out, T, I, stream_);
+  else
+    launch_silu_mul<float>(gate_up, out, T, I, stream_);
+}
+
+}  // namespace ocria_rt

@@ -1,0 +1,369 @@
+// Gated attention: attention_prepare (q/k RMSNorm + partial RoPE, KV-cache write) and attention
+// (causal softmax attention over the cache, GQA, times sigmoid(gate)).
+//
+// attention: flash-decoding. Block (split, kv head, token) covers cache rows
+// [split * chunk, (split + 1) * chunk) of 0..positions[t], chunk = max(ceil(len / splits), 64), for
+// all q heads of its kv head (GQA group) at once, so K / V rows are read once per group. Each of
+// the 4 warps runs an online softmax over its own rows (lane = 1/32 of head_dim, 16-byte loads of K
+// and V rows, scores reduced with shuffles); the warps merge in shared memory. With one split the
+// block writes the output; otherwise it writes (max, sum, unnormalised acc) to the workspace and a
+// combine kernel merges the splits. The number of splits is a launch constant chosen from the
+// cache size and the number of (token, kv head) pairs; the actual lengths are read on the device,
+// so a captured graph stays valid as the context grows (splits past the end exit at once).
+// For prefill (T > 16) every token gets its own blocks without splits: correct and simple, but it
+// re-reads K / V per query token on CUDA cores; a tensor-core (FA2-style) prefill kernel is future work.
+#include <cmath>
+
+#include "ops/cuda/backend.cuh"
+
+namespace ocria_rt {
+namespace cuda {
+namespace {
+
+constexpr int kAttnWarps = 4;
+constexpr int kRowsPerIter = 4;  // K/V rows each warp loads before using them
+constexpr int kMinChunk = 64;
+
+// ---------------------------------------------------------------------------------------------
+// attention_prepare: one warp per (token, q head or kv head).
+// ---------------------------------------------------------------------------------------------
+constexpr int kPrepWarps = 8;
+
+struct MropeSection {
+  int s[3];
+};
+
+// Which of the (t, h, w) rope positions frequency j follows under interleaved M-RoPE (ops.h):
+// h if j % 3 == 1 and j < 3 * s[1], w if j % 3 == 2 and j < 3 * s[2], else t.
+__device__ __forceinline__ int mrope_axis(int j, const MropeSection& m) {
+  if (j % 3 == 1 && j < 3 * m.s[1]) return 1;
+  if (j % 3 == 2 && j < 3 * m.s[2]) return 2;
+  return 0;
+}
+
+template <class T>
+__global__ void __launch_bounds__(kPrepWarps * 32)
+    attention_prepare_kernel(const T* __restrict__ qkv, int64_t ldqkv, ParamView q_norm, ParamView k_norm,
+                             const int32_t* __restrict__ positions, const int32_t* __restrict__ rope_positions,
+                             int64_t ldrp, MropeSection mrope, T* __restrict__ q_out, int64_t ldqo,
+                             T* __restrict__ k_cache, T* __restrict__ v_cache, int64_t ldc, int n_tokens, int Hq,
+                             int Hkv, int hd, int rot, float theta, float eps) {
+  __shared__ float buf[kPrepWarps][256];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t item = int64_t(blockIdx.x) * kPrepWarps + warp;
+  const int heads = Hq + Hkv;
+  if (item >= int64_t(n_tokens) * heads) return;
+  const int t = int(item / heads), slot = int(item % heads);
+  const bool is_q = slot < Hq;
+  const int head = is_q ? slot : slot - Hq;
+  const T* src = qkv + int64_t(t) * ldqkv + (is_q ? int64_t(head) * 2 * hd : int64_t(Hq) * 2 * hd + int64_t(head) * hd);
+  const ParamView& w = is_q ? q_norm : k_norm;
+  const int pos = positions[t];                               // cache row
+  const int32_t* rpos = rope_positions + int64_t(t) * ldrp;  // (t, h, w) rope positions
+
+  // Zero-centred RMSNorm over the head: x * rsqrt(mean(x^2) + eps) * (1 + w).
+  float ss = 0.0f;
+  for (int i = lane; i < hd; i += 32) {
+    const float v = to_float(src[i]);
+    ss = fmaf(v, v, ss);
+  }
+  const float inv = rsqrtf(warp_sum(ss) / float(hd) + eps);
+  float* x = buf[warp];
+  for (int i = lane; i < hd; i += 32) x[i] = to_float(src[i]) * inv * (1.0f + w[i]);
+  __syncwarp();
+
+  // Rotate-half RoPE on the first `rot` dims: pair (f, f + rot/2) turns by p * theta^(-2f/rot), with p
+  // the t, h or w rope position of frequency f (interleaved M-RoPE; all equal for text tokens).
+  // inv_freq and the angle are formed in fp32 as transformers does (correctly rounded, whatever
+  // --use_fast_math does to powf / division), cos / sin evaluated in double.
+  T* dst = is_q ? q_out + int64_t(t) * ldqo + int64_t(head) * hd : k_cache + int64_t(pos) * ldc + int64_t(head) * hd;
+  const int half = rot / 2;
+  for (int i = lane; i < hd; i += 32) {
+    float y = x[i];
+    if (i < rot) {
+      const int f = i < half ? i : i - half;
+      const float expo = __fdiv_rn(float(2 * f), float(rot));
+      const float inv_freq = __fdiv_rn(1.0f, float(pow(double(theta), double(expo))));
+      const float angle = __fmul_rn(float(rpos[mrope_axis(f, mrope)]), inv_freq);
+      double s, c;
+      sincos(double(angle), &s, &c);
+      const float cf = float(c), sf = float(s);
+      y = i < half ? x[i] * cf - x[i + half] * sf : x[i] * cf + x[i - half] * sf;
+    }
+    dst[i] = from_float<T>(y);
+  }
+  if (!is_q) {  // v is stored as is
+    const T* vsrc = qkv + int64_t(t) * ldqkv + int64_t(Hq) * 2 * hd + int64_t(Hkv + head) * hd;
+    T* vdst = v_cache + int64_t(pos) * ldc + int64_t(head) * hd;
+    for (int i = lane; i < hd; i += 32) vdst[i] = vsrc[i];
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// attention (decode / verify / simple prefill)
+// ---------------------------------------------------------------------------------------------
+
+// E: head_dim / 32 elements per lane; GM: the largest GQA group the instantiation handles.
+template <int E, int GM>
+__global__ void __launch_bounds__(kAttnWarps * 32)
+    attention_kernel(const bf16* __restrict__ q, int64_t ldq, const bf16* __restrict__ k_cache,
+                     const bf16* __restrict__ v_cache, int64_t ldc, const bf16* __restrict__ qkv, int64_t ldqkv,
+                     const int32_t* __restrict__ positions, float* __restrict__ part, bf16* __restrict__ out,
+                     int64_t ldo, int Hq, int G, int nsplit, float scale_log2) {
+  constexpr int HD = 32 * E;
+  __shared__ float m_s[kAttnWarps][GM], l_s[kAttnWarps][GM];
+  __shared__ float acc_s[kAttnWarps][GM][HD];
+  const int split = blockIdx.x, kvh = blockIdx.y, t = blockIdx.z;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int len = positions[t] + 1;
+  const int chunk = max((len + nsplit - 1) / nsplit, kMinChunk);
+  const int start = split * chunk, end = min(len, start + chunk);
+
+  // q of the group's heads, pre-scaled so that p = exp2(s - m).
+  float qf[GM][E];
+#pragma unroll
+  for (int g = 0; g < GM; ++g) {
+    if (g < G) {
+      const Pack<bf16, E> qp = load_pack<bf16, E>(q + int64_t(t) * ldq + int64_t(kvh * G + g) * HD + lane * E);
+#pragma unroll
+      for (int e = 0; e < E; ++e) qf[g][e] = __bfloat162float(qp.v[e]) * scale_log2;
+    } else {
+#pragma unroll
+      for (int e = 0; e < E; ++e) qf[g][e] = 0.0f;
+    }
+  }
+  float m[GM], l[GM], acc[GM][E];
+#pragma unroll
+  for (int g = 0; g < GM; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[g][e] = 0.0f;
+  }
+
+  const bf16* kbase = k_cache + int64_t(kvh) * HD + lane * E;
+  const bf16* vbase = v_cache + int64_t(kvh) * HD + lane * E;
+  for (int r0 = start + warp * kRowsPerIter; r0 < end; r0 += kAttnWarps * kRowsPerIter) {
+    Pack<bf16, E> kr[kRowsPerIter], vr[kRowsPerIter];
+#pragma unroll
+    for (int u = 0; u < kRowsPerIter; ++u) {
+      const int row = min(r0 + u, end - 1);  // rows past the end are loaded (valid) but masked below
+      kr[u] = load_pack<bf16, E>(kbase + int64_t(row) * ldc);
+      vr[u] = load_pack<bf16, E>(vbase + int64_t(row) * ldc);
+    }
+    float s[kRowsPerIter][GM];
+#pragma unroll
+    for (int u = 0; u < kRowsPerIter; ++u) {
+#pragma unroll
+      for (int g = 0; g < GM; ++g) {
+        float d = 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) d = fmaf(qf[g][e], __bfloat162float(kr[u].v[e]), d);
+        s[u][g] = r0 + u < end ? warp_sum(d) : -INFINITY;
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < GM; ++g) {
+      float mx = m[g];
+#pragma unroll
+      for (int u = 0; u < kRowsPerIter; ++u) mx = fmaxf(mx, s[u][g]);  // finite: row r0 is valid
+      const float corr = exp2f(m[g] - mx);                            // 0 on the first rows (m = -inf)
+      m[g] = mx;
+      l[g] *= corr;
+#pragma unroll
+      for (int e = 0; e < E; ++e) acc[g][e] *= corr;
+#pragma unroll
+      for (int u = 0; u < kRowsPerIter; ++u) {
+        const float p = exp2f(s[u][g] - mx);
+        l[g] += p;
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[g][e] = fmaf(p, __bfloat162float(vr[u].v[e]), acc[g][e]);
+      }
+    }
+  }
+
+  // Merge the warps: M = max_w m_w, L = sum_w l_w 2^(m_w - M), A = sum_w acc_w 2^(m_w - M).
+#pragma unroll
+  for (int g = 0; g < GM; ++g) {
+    if (lane == 0) {
+      m_s[warp][g] = m[g];
+      l_s[warp][g] = l[g];
+    }
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc_s[warp][g][lane * E + e] = acc[g][e];
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < G * HD; idx += blockDim.x) {
+    const int g = idx / HD, d = idx % HD, h = kvh * G + g;
+    float M = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kAttnWarps; ++w) M = fmaxf(M, m_s[w][g]);
+    float L = 0.0f, A = 0.0f;
+    if (M != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < kAttnWarps; ++w) {
+        const float f = exp2f(m_s[w][g] - M);
+        L = fmaf(l_s[w][g], f, L);
+        A = fmaf(acc_s[w][g][d], f, A);
+      }
+    }
+    if (nsplit == 1) {
+      const float gate = __bfloat162float(qkv[int64_t(t) * ldqkv + int64_t(h) * 2 * HD + HD + d]);
+      out[int64_t(t) * ldo + int64_t(h) * HD + d] = __float2bfloat16_rn(A / L * sigmoid(gate));
+    } else {
+      float* pp = part + ((int64_t(t) * Hq + h) * nsplit + split) * (HD + 2);
+      pp[2 + d] = A;
+      if (d == 0) {
+        pp[0] = M;
+        pp[1] = L;
+      }
+    }
+  }
+}
+
+// Merges the splits of one (token, q head): out = (sum_s A_s 2^(m_s - M)) / (sum_s L_s 2^(m_s - M)) * sigmoid(gate).
+__global__ void attention_combine_kernel(const float* __restrict__ part, const bf16* __restrict__ qkv, int64_t ldqkv,
+                                         bf16* __restrict__ out, int64_t ldo, int Hq, int hd, int nsplit) {
+  const int h = blockIdx.x, t = blockIdx.y;
+  const float* pp = part + (int64_t(t) * Hq + h) * nsplit * (hd + 2);
+  float M = -INFINITY;
+  for (int s = 0; s < nsplit; ++s) M = fmaxf(M, pp[int64_t(s) * (hd + 2)]);
+  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+    float L = 0.0f, A = 0.0f;
+    for (int s = 0; s < nsplit; ++s) {
+      const float* ps = pp + int64_t(s) * (hd + 2);
+      if (ps[0] == -INFINITY) continue;  // empty split
+      const float f = exp2f(ps[0] - M);
+      L = fmaf(ps[1], f, L);
+      A = fmaf(ps[2 + d], f, A);
+    }
+    const float gate = __bfloat162float(qkv[int64_t(t) * ldqkv + int64_t(h) * 2 * hd + hd + d]);
+    out[int64_t(t) * ldo + int64_t(h) * hd + d] = __float2bfloat16_rn(A / L * sigmoid(gate));
+  }
+}
+
+template <int E>
+void launch_attention_e(int GM, dim3 grid, const bf16* q, int64_t ldq, const bf16* kc, const bf16* vc, int64_t ldc,
+                        const bf16* qkv, int64_t ldqkv, const int32_t* pos, float* part, bf16* out, int64_t ldo, int Hq,
+                        int G, int nsplit, float scale_log2, cudaStream_t s) {
+#define OCRIA_ATTN_LAUNCH(GMV)                                                                                      \
+  attention_kernel<E, GMV><<<grid, kAttnWarps * 32, 0, s>>>(q, ldq, kc, vc, ldc, qkv, ldqkv, pos, part, out, ldo, \
+                                                            Hq, G, nsplit, scale_log2)
+  switch (GM) {
+    case 1: OCRIA_ATTN_LAUNCH(1); break;
+    case 2: OCRIA_ATTN_LAUNCH(2); break;
+    case 4: OCRIA_ATTN_LAUNCH(4); break;
+    default: OCRIA_ATTN_LAUNCH(8); break;
+  }
+#undef OCRIA_ATTN_LAUNCH
+  check_launch("attention_kernel");
+}
+
+}  // namespace
+}  // namespace cuda
+
+void CudaBackend::attention_prepare(const Tensor& qkv, const Tensor& q_norm, const Tensor& k_norm,
+                                    const Tensor& positions, const Tensor& rope_positions, const AttentionParams& p,
+                                    const Tensor& q_out, const Tensor& k_cache, const Tensor& v_cache) {
+  using namespace cuda;
+  const char* op = "attention_prepare";
+  require_tensor(qkv, DType::BF16, op, "qkv");
+  require_tensor(q_out, DType::BF16, op, "q_out");
+  require_tensor(k_cache, DType::BF16, op, "k_cache");
+  require_tensor(v_cache, DType::BF16, op, "v_cache");
+  require_tensor(positions, DType::I32, op, "positions");
+  require_tensor(rope_positions, DType::I32, op, "rope_positions");
+  ParamView qn = param_view(q_norm, op, "q_norm"), kn = param_view(k_norm, op, "k_norm");
+  const int64_t T = qkv.dim(0), Hq = p.num_q_heads, Hkv = p.num_kv_heads, hd = p.head_dim;
+  require(hd > 0 && hd <= 256, op, "head_dim " + std::to_string(hd) + " unsupported (at most 256)");
+  require(p.rotary_dim >= 0 && p.rotary_dim <= hd && p.rotary_dim % 2 == 0, op, "bad rotary_dim");
+  require(qkv.ndim == 2 && qkv.dim(1) == (2 * Hq + 2 * Hkv) * hd, op, "qkv " + qkv.shape_str());
+  require(q_out.numel() == T * Hq * hd && q_out.dim(0) == T, op, "q_out " + q_out.shape_str());
+  require(k_cache.ndim >= 2 && k_cache.row_size() == Hkv * hd && v_cache.row_size() == Hkv * hd &&
+              k_cache.row_stride == v_cache.row_stride && k_cache.dim(0) == v_cache.dim(0),
+          op, "k_cache " + k_cache.shape_str() + " / v_cache " + v_cache.shape_str() + " vs Hkv * head_dim");
+  require(positions.numel() == T, op, "positions must have T elements");
+  require(rope_positions.numel() == 3 * T && (rope_positions.ndim == 1 || rope_positions.dim(-1) == 3), op,
+          "rope_positions " + rope_positions.shape_str() + ", expected [T, 3]");
+  require(q_norm.numel() == hd && k_norm.numel() == hd, op, "q_norm / k_norm must have head_dim elements");
+  if (T == 0) return;
+  activate();
+  const int64_t items = T * (Hq + Hkv);
+  const unsigned blocks = unsigned((items + kPrepWarps - 1) / kPrepWarps);
+  attention_prepare_kernel<bf16><<<blocks, kPrepWarps * 32, 0, stream_>>>(
+      qkv.ptr<const bf16>(), qkv.row_stride, qn, kn, positions.ptr<const int32_t>(),
+      rope_positions.ptr<const int32_t>(), rope_positions.ndim == 2 ? rope_positions.row_stride : 3,
+      MropeSection{{p.mrope_section[0], p.mrope_section[1], p.mrope_section[2]}}, q_out.ptr<bf16>(), q_out.row_stride,
+      k_cache.ptr<bf16>(), v_cache.ptr<bf16>(), k_cache.row_stride, int(T), int(Hq), int(Hkv), int(hd),
+      int(p.rotary_dim), p.rope_theta, p.norm_eps);
+  check_launch("attention_prepare_kernel");
+}
+
+void CudaBackend::attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& qkv,
+                            const Tensor& positions, const AttentionParams& p, const Tensor& out) {
+  using namespace cuda;
+  const char* op = "attention";
+  require_tensor(q, DType::BF16, op, "q");
+  require_tensor(k_cache, DType::BF16, op, "k_cache");
+  require_tensor(v_cache, DType::BF16, op, "v_cache");
+  require_tensor(qkv, DType::BF16, op, "qkv");
+  require_tensor(out, DType::BF16, op, "out");
+  require_tensor(positions, DType::I32, op, "positions");
+  const int64_t T = q.dim(0), Hq = p.num_q_heads, Hkv = p.num_kv_heads, hd = p.head_dim;
+  require(hd == 64 || hd == 128 || hd == 256, op, "head_dim " + std::to_string(hd) + " unsupported (64/128/256)");
+  require(Hkv > 0 && Hq % Hkv == 0 && Hq / Hkv <= 8, op, "GQA group Hq / Hkv must be an integer <= 8");
+  require(q.numel() == T * Hq * hd && (q.ndim == 2 || q.ndim == 3), op, "q " + q.shape_str());
+  require(qkv.ndim == 2 && qkv.dim(0) == T && qkv.dim(1) == (2 * Hq + 2 * Hkv) * hd, op, "qkv " + qkv.shape_str());
+  require(out.ndim == 2 && out.dim(0) == T && out.dim(1) == Hq * hd, op, "out " + out.shape_str());
+  require(k_cache.row_size() == Hkv * hd && v_cache.row_size() == Hkv * hd && k_cache.row_stride == v_cache.row_stride,
+          op, "k_cache / v_cache vs Hkv * head_dim");
+  require(positions.numel() == T, op, "positions must have T elements");
+  require(T <= 65535, op, "too many tokens");
+  if (T == 0) return;
+  activate();
+  const int G = int(Hq / Hkv);
+  const int GM = G <= 1 ? 1 : G <= 2 ? 2 : G <= 4 ? 4 : 8;
+  const int64_t max_ctx = k_cache.dim(0);
+  // Splits: enough blocks for ~4 per SM at decode, none for prefill-sized T; bounded by the cache
+  // length (64-row minimum chunks) and by the workspace.
+  int64_t nsplit = 1;
+  if (T <= 16) {
+    const int64_t pairs = T * Hkv;
+    nsplit = std::max<int64_t>(1, (4 * int64_t(sm_count_) + pairs - 1) / pairs);
+    nsplit = std::min<int64_t>(nsplit, std::max<int64_t>(1, (max_ctx + kMinChunk - 1) / kMinChunk));
+    const int64_t per_split = T * Hq * (hd + 2) * int64_t(sizeof(float));
+    nsplit = std::min<int64_t>(nsplit, int64_t(workspace_bytes_) / per_split);
+    nsplit = std::max<int64_t>(nsplit, 1);
+  }
+  const float scale_log2 = p.scale * 1.4426950408889634f;
+  dim3 grid{unsigned(nsplit), unsigned(Hkv), unsigned(T)};
+  float* part = static_cast<float*>(workspace_);
+  const int64_t ldq = q.row_stride;
+  auto* qp = q.ptr<const bf16>();
+  auto* kc = k_cache.ptr<const bf16>();
+  auto* vc = v_cache.ptr<const bf16>();
+  auto* gp = qkv.ptr<const bf16>();
+  auto* pp = positions.ptr<const int32_t>();
+  const int64_t ldc = k_cache.row_stride;
+  switch (hd) {
+    case 64:
+      launch_attention_e<2>(GM, grid, qp, ldq, kc, vc, ldc, gp, qkv.row_stride, pp, part, out.ptr<bf16>(),
+                            out.row_stride, int(Hq), G, int(nsplit), scale_log2, stream_);
+      break;
+    case 128:
+      launch_attention_e<4>(GM, grid, qp, ldq, kc, vc, ldc, gp, qkv.row_stride, pp, part, out.ptr<bf16>(),
+                            out.row_stride, int(Hq), G, int(nsplit), scale_log2, stream_);
+      break;
+    default:
+      launch_attention_e<8>(GM, grid, qp, ldq, kc, vc, ldc, gp, qkv.row_stride, pp, part, out.ptr<bf16>(),
+                            out.row_stride, int(Hq), G, int(nsplit), scale_log2, stream_);
+      break;
+  }
+  if (nsplit > 1) {
+    attention_combine_kernel<<<dim3(unsigned(Hq), unsigned(T)), unsigned(std::min<int64_t>(hd, 256)), 0, stream_>>>(
+        part, gp, qkv.row_stride, out.ptr<bf16>(), out.row_stride, int(Hq), int(hd), int(nsplit));
+    check_launch("attention_combine_kernel");
+  }
+}
+
+}  // namespace ocria_rt

@@ -1,0 +1,434 @@
+// CudaBackend: device selection, the stream, the workspace, memory and host <-> device copies.
+#include "ops/cuda/backend.cuh"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace ocria_rt {
+namespace cuda {
+
+void throw_cuda_error(cudaError_t err, const char* what) {
+  cudaGetLastError();  // clear a sticky launch error so that the next call reports its own
+  ErrorCode code = err == cudaErrorMemoryAllocation ? ErrorCode::kResourceError : ErrorCode::kDeviceError;
+  throw Error(code, std::string("CUDA backend: ") + what + " failed: " + cudaGetErrorName(err) + " (" +
+                        cudaGetErrorString(err) + ")");
+}
+
+void require(bool cond, const char* op, const std::string& message) {
+  if (!cond) throw Error(ErrorCode::kInternal, std::string("CUDA ") + op + ": " + message);
+}
+
+void require_tensor(const Tensor& t, DType dtype, const char* op, const char* name) {
+  require(t.defined(), op, std::string(name) + " is not defined");
+  require(t.device == DeviceKind::CUDA, op, std::string(name) + " is not a CUDA tensor");
+  require(t.dtype == dtype, op,
+          std::string(name) + " has dtype " + dtype_name(t.dtype) + ", expected " + dtype_name(dtype));
+}
+
+void require_float(const Tensor& t, const char* op, const char* name) {
+  require(t.defined(), op, std::string(name) + " is not defined");
+  require(t.device == DeviceKind::CUDA, op, std::string(name) + " is not a CUDA tensor");
+  require(t.dtype == DType::F32 || t.dtype == DType::BF16, op,
+          std::string(name) + " has dtype " + dtype_name(t.dtype) + ", expected F32 or BF16");
+}
+
+ParamView param_view(const Tensor& t, const char* op, const char* name) {
+  require_float(t, op, name);
+  require(t.contiguous(), op, std::string(name) + " must be contiguous");
+  return ParamView{t.data, t.dtype == DType::BF16};
+}
+
+}  // namespace cuda
+
+namespace {
+
+// ---- host-side dtype conversion for copies ----
+
+float bf16_bits_to_float(uint16_t b) {
+  uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+uint16_t float_to_bf16_bits(float f) {  // round to nearest even, NaN stays NaN
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+float f16_bits_to_float(uint16_t h) {
+  uint32_t sign = uint32_t(h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu, u;
+  if (exp == 0x1f) {
+    u = sign | 0x7f800000u | (man << 13);
+  } else if (exp == 0) {
+    if (man == 0) {
+      u = sign;
+    } else {  // subnormal: normalise
+      int e = -1;
+      do { man <<= 1; ++e; } while (!(man & 0x400u));
+      u = sign | uint32_t(127 - 15 - e) << 23 | ((man & 0x3ffu) << 13);
+    }
+  } else {
+    u = sign | (exp + 112) << 23 | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+uint16_t float_to_f16_bits(float f) {  // round to nearest even
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  uint32_t sign = (u >> 16) & 0x8000u;
+  uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return uint16_t(sign | 0x7e00u);
+  if (a >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // overflow (incl. rounding up) -> inf
+  if (a < 0x38800000u) {                                 // subnormal half or zero
+    if (a < 0x33000000u) return uint16_t(sign);
+    uint32_t e = a >> 23, man = (a & 0x7fffffu) | 0x800000u;
+    uint32_t shift = 126 - e;  // 14 .. 24
+    uint32_t r = man >> shift, rem = man & ((1u << shift) - 1), half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (r & 1u))) ++r;
+    return uint16_t(sign | r);
+  }
+  uint32_t r = a - 0x38000000u;  // rebias exponent 127 -> 15
+  uint32_t out = r >> 13, rem = r & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (out & 1u))) ++out;
+  return uint16_t(sign | out);
+}
+
+// Reads element i of host data of dtype t as double (exact for all four dtypes).
+double read_host(const void* p, DType t, size_t i) {
+  switch (t) {
+    case DType::F32: return static_cast<const float*>(p)[i];
+    case DType::BF16: return bf16_bits_to_float(static_cast<const uint16_t*>(p)[i]);
+    case DType::F16: return f16_bits_to_float(static_cast<const uint16_t*>(p)[i]);
+    case DType::I32: return static_cast<const int32_t*>(p)[i];
+  }
+  return 0;
+}
+
+void write_host(void* p, DType t, size_t i, double v) {
+  switch (t) {
+    case DType::F32: static_cast<float*>(p)[i] = float(v); break;
+    case DType::BF16: static_cast<uint16_t*>(p)[i] = float_to_bf16_bits(float(v)); break;
+    case DType::F16: static_cast<uint16_t*>(p)[i] = float_to_f16_bits(float(v)); break;
+    case DType::I32: static_cast<int32_t*>(p)[i] = int32_t(v); break;
+  }
+}
+
+// dst[0..n) (dst_t) <- src[0..n) (src_t).
+void convert_host(void* dst, DType dst_t, const void* src, DType src_t, size_t n) {
+  if (dst_t == src_t) {
+    std::memcpy(dst, src, n * dtype_size(dst_t));
+  } else if (src_t == DType::F32 && dst_t == DType::BF16) {
+    auto* d = static_cast<uint16_t*>(dst);
+    auto* s = static_cast<const float*>(src);
+    for (size_t i = 0; i < n; ++i) d[i] = float_to_bf16_bits(s[i]);
+  } else if (src_t == DType::BF16 && dst_t == DType::F32) {
+    auto* d = static_cast<float*>(dst);
+    auto* s = static_cast<const uint16_t*>(src);
+    for (size_t i = 0; i < n; ++i) d[i] = bf16_bits_to_float(s[i]);
+  } else {
+    for (size_t i = 0; i < n; ++i) write_host(dst, dst_t, i, read_host(src, src_t, i));
+  }
+}
+
+// The (rows, elements per row) layout of a tensor whose dimension 0 may be strided.
+struct RowLayout {
+  int64_t rows, row_elems, stride;
+};
+RowLayout row_layout(const Tensor& t) {
+  if (t.ndim == 0) return {1, 1, 1};
+  return {t.shape[0], t.row_size(), t.ndim == 1 ? 1 : t.row_stride};
+}
+
+}  // namespace
+
+using cuda::check_cuda;
+
+CudaBackend::CudaBackend(int device_index) : device_(device_index) {
+  int count = 0;
+  check_cuda(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
+  if (device_index < 0 || device_index >= count)
+    throw Error(ErrorCode::kDeviceError, "CUDA backend: device index " + std::to_string(device_index) +
+                                             " out of range (" + std::to_string(count) + " devices)");
+  check_cuda(cudaSetDevice(device_), "cudaSetDevice");
+  int major = 0;
+  check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_), "cudaDeviceGetAttribute");
+  if (major < 9)
+    throw Error(ErrorCode::kDeviceError, "CUDA backend: device " + std::to_string(device_index) +
+                                             " has compute capability " + std::to_string(major) +
+                                             ".x; this build targets sm_90a (Hopper)");
+  check_cuda(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_), "cudaDeviceGetAttribute");
+  try {
+    check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+    for (int i = 0; i < 2; ++i) {
+      check_cuda(cudaMallocHost(&staging_[i], kStagingBytes), "cudaMallocHost (staging buffer)");
+      check_cuda(cudaEventCreateWithFlags(&staging_done_[i], cudaEventDisableTiming), "cudaEventCreate");
+    }
+    reserve_workspace(kDefaultWorkspaceBytes);
+  } catch (...) {
+    free_resources();
+    throw;
+  }
+}
+
+CudaBackend::~CudaBackend() { free_resources(); }
+
+void CudaBackend::free_resources() noexcept {
+  cudaSetDevice(device_);
+  if (capturing_ && stream_) {  // abandon an unfinished capture
+    cudaGraph_t g = nullptr;
+    cudaStreamEndCapture(stream_, &g);
+    if (g) cudaGraphDestroy(g);
+    capturing_ = false;
+  }
+  if (stream_) cudaStreamSynchronize(stream_);
+  if (graph_exec_) cudaGraphExecDestroy(graph_exec_);
+  graph_exec_ = nullptr;
+  if (workspace_) cudaFree(workspace_);
+  for (int i = 0; i < 2; ++i) {
+    if (staging_[i]) cudaFreeHost(staging_[i]);
+    if (staging_done_[i]) cudaEventDestroy(staging_done_[i]);
+    staging_[i] = nullptr;
+    staging_done_[i] = nullptr;
+  }
+  if (stream_) cudaStreamDestroy(stream_);
+  workspace_ = nullptr;
+  stream_ = nullptr;
+  cudaGetLastError();
+}
+
+void CudaBackend::activate() const {
+  int cur = -1;
+  check_cuda(cudaGetDevice(&cur), "cudaGetDevice");
+  if (cur != device_) check_cuda(cudaSetDevice(device_), "cudaSetDevice");
+}
+
+void CudaBackend::reserve_workspace(size_t bytes) {
+  if (bytes <= workspace_bytes_) return;
+  activate();
+  if (workspace_) {
+    check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (reserve_workspace)");
+    check_cuda(cudaFree(workspace_), "cudaFree (workspace)");
+    workspace_ = nullptr;
+    workspace_bytes_ = 0;
+  }
+  check_cuda(cudaMalloc(&workspace_, bytes), "cudaMalloc (op workspace)");
+  workspace_bytes_ = bytes;
+}
+
+void* CudaBackend::allocate(size_t bytes) {
+  activate();
+  void* p = nullptr;
+  if (bytes == 0) bytes = 1;
+  cudaError_t err = cudaMalloc(&p, bytes);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    throw Error(err == cudaErrorMemoryAllocation ? ErrorCode::kResourceError : ErrorCode::kDeviceError,
+                "CUDA backend: cudaMalloc of " + std::to_string(bytes) + " bytes failed: " +
+                    cudaGetErrorString(err));
+  }
+  return p;
+}
+
+void CudaBackend::release(void* ptr) {
+  if (!ptr) return;
+  // Called from destructors: never throws. Pending work may still use the memory.
+  cudaSetDevice(device_);
+  cudaStreamSynchronize(stream_);
+  cudaFree(ptr);
+  cudaGetLastError();
+}
+
+void CudaBackend::copy_from_host(const Tensor& dst, const void* src, DType src_dtype) {
+  cuda::require(dst.device == DeviceKind::CUDA, "copy_from_host", "dst is not a CUDA tensor");
+  if (dst.numel() == 0) return;
+  cuda::require(dst.dtype != DType::I32 || src_dtype == DType::I32, "copy_from_host",
+                std::string("an I32 destination needs I32 data, got ") + dtype_name(src_dtype));
+  activate();
+  const RowLayout L = row_layout(dst);
+  const size_t esz = dtype_size(dst.dtype), src_esz = dtype_size(src_dtype);
+  const size_t row_bytes = size_t(L.row_elems) * esz;
+  // Rows that do not fit a staging half are split into column pieces.
+  const int64_t piece_elems = std::min<int64_t>(L.row_elems, int64_t(kStagingBytes / esz));
+  const int64_t rows_per_chunk = piece_elems < L.row_elems ? 1 : std::max<int64_t>(1, kStagingBytes / row_bytes);
+  int buf = 0;
+  for (int64_t r0 = 0; r0 < L.rows; r0 += rows_per_chunk) {
+    const int64_t nr = std::min(rows_per_chunk, L.rows - r0);
+    for (int64_t c0 = 0; c0 < L.row_elems; c0 += piece_elems) {
+      const int64_t nc = std::min(piece_elems, L.row_elems - c0);
+      check_cuda(cudaEventSynchronize(staging_done_[buf]), "cudaEventSynchronize (copy_from_host)");
+      for (int64_t r = 0; r < nr; ++r)
+        convert_host(static_cast<char*>(staging_[buf]) + size_t(r * nc) * esz, dst.dtype,
+                     static_cast<const char*>(src) + size_t((r0 + r) * L.row_elems + c0) * src_esz, src_dtype,
+                     size_t(nc));
+      char* d = static_cast<char*>(dst.data) + size_t(r0 * L.stride + c0) * esz;
+      check_cuda(cudaMemcpy2DAsync(d, size_t(L.stride) * esz, staging_[buf], size_t(nc) * esz, size_t(nc) * esz,
+                                   size_t(nr), cudaMemcpyHostToDevice, stream_),
+                 "cudaMemcpy2DAsync (copy_from_host)");
+      check_cuda(cudaEventRecord(staging_done_[buf], stream_), "cudaEventRecord (copy_from_host)");
+      buf ^= 1;
+    }
+  }
+  // The caller's buffer may be freed on return, and the staging buffers reused: wait.
+  check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (copy_from_host)");
+}
+
+void CudaBackend::copy_to_host(void* dst, const Tensor& src) {
+  cuda::require(src.device == DeviceKind::CUDA, "copy_to_host", "src is not a CUDA tensor");
+  if (src.numel() == 0) return;
+  activate();
+  const DType host_t = src.dtype == DType::I32 ? DType::I32 : DType::F32;
+  const RowLayout L = row_layout(src);
+  const size_t esz = dtype_size(src.dtype), host_esz = dtype_size(host_t);
+  const int64_t piece_elems = std::min<int64_t>(L.row_elems, int64_t(kStagingBytes / esz));
+  const int64_t rows_per_chunk =
+      piece_elems < L.row_elems ? 1 : std::max<int64_t>(1, kStagingBytes / (size_t(L.row_elems) * esz));
+  for (int64_t r0 = 0; r0 < L.rows; r0 += rows_per_chunk) {
+    const int64_t nr = std::min(rows_per_chunk, L.rows - r0);
+    for (int64_t c0 = 0; c0 < L.row_elems; c0 += piece_elems) {
+      const int64_t nc = std::min(piece_elems, L.row_elems - c0);
+      const char* s = static_cast<const char*>(src.data) + size_t(r0 * L.stride + c0) * esz;
+      check_cuda(cudaMemcpy2DAsync(staging_[0], size_t(nc) * esz, s, size_t(L.stride) * esz, size_t(nc) * esz,
+                                   size_t(nr), cudaMemcpyDeviceToHost, stream_),
+                 "cudaMemcpy2DAsync (copy_to_host)");
+      check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (copy_to_host)");
+      for (int64_t r = 0; r < nr; ++r)
+        convert_host(static_cast<char*>(dst) + size_t((r0 + r) * L.row_elems + c0) * host_esz, host_t,
+                     static_cast<const char*>(staging_[0]) + size_t(r * nc) * esz, src.dtype, size_t(nc));
+    }
+  }
+}
+
+void CudaBackend::fill_zero(const Tensor& t) {
+  cuda::require(t.device == DeviceKind::CUDA, "fill_zero", "tensor is not a CUDA tensor");
+  if (t.numel() == 0) return;
+  activate();
+  const RowLayout L = row_layout(t);
+  const size_t esz = dtype_size(t.dtype);
+  if (L.stride == L.row_elems) {
+    check_cuda(cudaMemsetAsync(t.data, 0, size_t(L.rows * L.row_elems) * esz, stream_), "cudaMemsetAsync (fill_zero)");
+  } else {
+    check_cuda(cudaMemset2DAsync(t.data, size_t(L.stride) * esz, 0, size_t(L.row_elems) * esz, size_t(L.rows), stream_),
+               "cudaMemset2DAsync (fill_zero)");
+  }
+}
+
+void CudaBackend::synchronize() {
+  activate();
+  check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+}
+
+// ---- graphs ----
+
+void CudaBackend::begin_capture() {
+  cuda::require(!capturing_, "begin_capture", "a capture is already in progress");
+  activate();
+  check_cuda(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
+  capturing_ = true;
+}
+
+void CudaBackend::end_capture() {
+  cuda::require(capturing_, "end_capture", "no capture in progress");
+  activate();
+  capturing_ = false;
+  cudaGraph_t graph = nullptr;
+  check_cuda(cudaStreamEndCapture(stream_, &graph), "cudaStreamEndCapture (an op failed or synchronised during capture?)");
+  cudaGraphExec_t exec = nullptr;
+  size_t num_nodes = 0;
+  cudaError_t err = cudaGraphGetNodes(graph, nullptr, &num_nodes);
+  int64_t kernels = 0;
+  if (err == cudaSuccess) {
+    std::vector<cudaGraphNode_t> nodes(num_nodes);
+    err = cudaGraphGetNodes(graph, nodes.data(), &num_nodes);
+    for (size_t i = 0; err == cudaSuccess && i < num_nodes; ++i) {
+      cudaGraphNodeType type;
+      err = cudaGraphNodeGetType(nodes[i], &type);
+      if (err == cudaSuccess && type == cudaGraphNodeTypeKernel) ++kernels;
+    }
+  }
+  if (err == cudaSuccess) err = cudaGraphInstantiate(&exec, graph, 0);
+  cudaGraphDestroy(graph);
+  check_cuda(err, "cudaGraphInstantiate");
+  if (graph_exec_) cudaGraphExecDestroy(graph_exec_);
+  graph_exec_ = exec;
+  graph_kernels_ = kernels;
+}
+
+void CudaBackend::replay() {
+  cuda::require(graph_exec_ != nullptr, "replay", "no graph has been captured");
+  activate();
+  check_cuda(cudaGraphLaunch(graph_exec_, stream_), "cudaGraphLaunch");
+}
+
+namespace {
+// counter[i] += by over a (possibly row-strided) I32 tensor of rows x cols.
+__global__ void increment_kernel(int32_t* counter, int64_t rows, int64_t cols, int64_t stride, int32_t by) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows * cols; i += int64_t(gridDim.x) * blockDim.x)
+    counter[(i / cols) * stride + i % cols] += by;
+}
+}  // namespace
+
+void CudaBackend::increment(const Tensor& counter, int32_t by) {
+  cuda::require_tensor(counter, DType::I32, "increment", "counter");
+  if (counter.numel() == 0) return;
+  activate();
+  const RowLayout L = row_layout(counter);
+  const int64_t n = L.rows * L.row_elems;
+  const unsigned blocks = unsigned(std::min<int64_t>((n + 255) / 256, 1024));
+  increment_kernel<<<blocks, 256, 0, stream_>>>(counter.ptr<int32_t>(), L.rows, L.row_elems, L.stride, by);
+  cuda::check_launch("increment_kernel");
+}
+
+void CudaBackend::copy(const Tensor& dst, const Tensor& src) {
+  cuda::require(dst.device == DeviceKind::CUDA && src.device == DeviceKind::CUDA, "copy", "tensors must be on the device");
+  cuda::require(dst.dtype == src.dtype && dst.numel() == src.numel() && dst.row_size() == src.row_size(), "copy",
+                dst.shape_str() + " <- " + src.shape_str() + " (same dtype and shape needed)");
+  if (src.numel() == 0) return;
+  activate();
+  const RowLayout d = row_layout(dst), s = row_layout(src);
+  const size_t esz = dtype_size(src.dtype);
+  if (d.stride == d.row_elems && s.stride == s.row_elems) {
+    check_cuda(cudaMemcpyAsync(dst.data, src.data, size_t(src.numel()) * esz, cudaMemcpyDeviceToDevice, stream_),
+               "cudaMemcpyAsync (copy)");
+  } else {
+    check_cuda(cudaMemcpy2DAsync(dst.data, size_t(d.stride) * esz, src.data, size_t(s.stride) * esz,
+                                 size_t(s.row_elems) * esz, size_t(s.rows), cudaMemcpyDeviceToDevice, stream_),
+               "cudaMemcpy2DAsync (copy)");
+  }
+}
+
+std::unique_ptr<Backend> make_cuda_backend(int device_index) {
+  return std::make_unique<CudaBackend>(device_index);
+}
+
+}  // namespace ocria_rt
+
+namespace ocria_rt {
+namespace cuda {
+
+RowView row_view(const Tensor& t, int64_t cols, const char* op, const char* name) {
+  require(t.ndim >= 1 && t.dim(-1) == cols, op,
+          std::string(name) + " " + t.shape_str() + " does not end in " + std::to_string(cols));
+  RowView v;
+  v.cols = cols;
+  if (t.ndim == 1) {
+    v.rows = 1;
+    v.inner = 1;
+    v.outer_stride = cols;
+    return v;
+  }
+  v.inner = cols == 0 ? 0 : t.row_size() / cols;
+  v.rows = t.shape[0] * v.inner;
+  v.outer_stride = t.row_stride;
+  return v;
+}
+
+}  // namespace cuda
+}  // namespace ocria_rt

@@ -1,0 +1,213 @@
+// The CUDA backend: one device, one stream, BF16 activations and weights, fp32 math inside kernels.
+//
+// Every op is asynchronous on stream() and capturable in a CUDA graph: no host synchronisation, no
+// allocation, no host-side reads of device data inside an op. Scratch memory comes from one workspace
+// allocated in the constructor (reserve_workspace() may grow it before capture). Failures of the CUDA
+// runtime become ocria_rt::Error(kDeviceError) naming what failed; bad arguments (dtype, shape)
+// become Error(kInternal), as they are bugs of the caller inside ocria_rt.
+//
+// The class is declared here; its methods are defined in the file of their op family
+// (embedding.cu, linear.cu, norm.cu, activation.cu, attention.cu, gdn.cu, sampling.cu) and the
+// memory / stream methods in backend.cu.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "ops/ops.h"
+
+namespace ocria_rt {
+namespace cuda {
+
+// ---- error handling ----
+
+[[noreturn]] void throw_cuda_error(cudaError_t err, const char* what);
+
+// Checks a CUDA runtime call; `what` names the operation for the error message.
+inline void check_cuda(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) throw_cuda_error(err, what);
+}
+// Checks the launch of the kernel named `what` (configuration errors; asynchronous faults surface at
+// the next synchronising call).
+inline void check_launch(const char* what) { check_cuda(cudaGetLastError(), what); }
+
+// Throws Error(kInternal) with `op: message` unless cond holds.
+void require(bool cond, const char* op, const std::string& message);
+// The tensor lives on the CUDA device and has the given dtype.
+void require_tensor(const Tensor& t, DType dtype, const char* op, const char* name);
+// Same, F32 or BF16.
+void require_float(const Tensor& t, const char* op, const char* name);
+
+// ---- element helpers ----
+
+using bf16 = __nv_bfloat16;
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(bf16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+template <class T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ bf16 from_float<bf16>(float x) { return __float2bfloat16_rn(x); }
+
+// A small parameter vector (norm weight, A_log, dt_bias, conv weight) of either F32 or BF16, read
+// element by element: the dtype branch is uniform, so it costs nothing next to the math.
+struct ParamView {
+  const void* ptr = nullptr;
+  bool is_bf16 = true;
+  __device__ __forceinline__ float operator[](int64_t i) const {
+    return is_bf16 ? __bfloat162float(static_cast<const bf16*>(ptr)[i]) : static_cast<const float*>(ptr)[i];
+  }
+};
+ParamView param_view(const Tensor& t, const char* op, const char* name);
+
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
+
+// Sum over a warp, result in every lane.
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); `red` holds 32 floats of shared
+// memory. Every thread gets the result. Contains __syncthreads.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  v = warp_sum(v);
+  __syncthreads();  // `red` may still be read by a previous call
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  v = lane < nwarps ? red[lane] : 0.0f;
+  return warp_sum(v);
+}
+
+// 16-byte aligned pointer and a row stride (elements) that keeps every row 16-byte aligned.
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+}  // namespace cuda
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(int device_index);
+  ~CudaBackend() override;
+  CudaBackend(const CudaBackend&) = delete;
+  CudaBackend& operator=(const CudaBackend&) = delete;
+
+  // The stream every op runs on (for CUDA-graph capture by the engine).
+  cudaStream_t stream() const { return stream_; }
+  int device_index() const { return device_; }
+  int sm_count() const { return sm_count_; }
+  // Grows the op workspace to at least `bytes` (it starts at kDefaultWorkspaceBytes). Call before
+  // capturing graphs; ops never allocate. Sampling of R rows of V logits needs about R * V * 4 bytes
+  // (rows beyond what fits are processed in several launches), attention about
+  // 16 * Hq * splits * (head_dim + 2) * 4 (fewer splits are used when it is smaller).
+  void reserve_workspace(size_t bytes);
+  size_t workspace_bytes() const { return workspace_bytes_; }
+  static constexpr size_t kDefaultWorkspaceBytes = size_t(64) << 20;
+
+  const char* name() const override { return "cuda"; }
+  DeviceKind device() const override { return DeviceKind::CUDA; }
+  DType activation_dtype() const override { return DType::BF16; }
+  DType weight_dtype() const override { return DType::BF16; }
+
+  void* allocate(size_t bytes) override;
+  void release(void* ptr) override;
+  void copy_from_host(const Tensor& dst, const void* src, DType src_dtype) override;
+  void copy_to_host(void* dst, const Tensor& src) override;
+  void fill_zero(const Tensor& t) override;
+  void synchronize() override;
+
+  void embedding(const Tensor& table, const Tensor& ids, const Tensor& out) override;
+  void linear(const Tensor& x, const LinearWeight& w, const Tensor& out) override;
+  void rms_norm(const Tensor& x, const Tensor& weight, const Tensor& out, float eps) override;
+  void add_rms_norm(const Tensor& residual, const Tensor& delta, const Tensor& weight, const Tensor& out,
+                    float eps) override;
+  void add(const Tensor& residual, const Tensor& delta) override;
+  void silu_mul(const Tensor& gate_up, const Tensor& out) override;
+  void attention_prepare(const Tensor& qkv, const Tensor& q_norm, const Tensor& k_norm, const Tensor& positions,
+                         const Tensor& rope_positions, const AttentionParams& p, const Tensor& q_out,
+                         const Tensor& k_cache, const Tensor& v_cache) override;
+  void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& qkv,
+                 const Tensor& positions, const AttentionParams& p, const Tensor& out) override;
+  void gdn_conv(const Tensor& x, const Tensor& conv_weight, const Tensor& conv_state, const Tensor& out) override;
+  void gdn_recurrent(const Tensor& qkv, const Tensor& ba, const Tensor& A_log, const Tensor& dt_bias,
+                     const Tensor& state, const GdnParams& p, const Tensor& out) override;
+  void gdn_chunked(const Tensor& qkv, const Tensor& ba, const Tensor& A_log, const Tensor& dt_bias,
+                   const Tensor& state, const GdnParams& p, const Tensor& out) override;
+  void gdn_gated_norm(const Tensor& o, const Tensor& z, const Tensor& weight, const GdnParams& p,
+                      const Tensor& out) override;
+  void sample(const Tensor& logits, const SamplerConfig& config, const Tensor& step, const Tensor& tokens) override;
+  void increment(const Tensor& counter, int32_t by) override;
+  void copy(const Tensor& dst, const Tensor& src) override;
+
+  // CUDA graphs: begin_capture() starts capturing stream() (thread-local mode), end_capture()
+  // instantiates the graph (replacing the previous one), replay() launches it on stream().
+  bool supports_graphs() const override { return true; }
+  void begin_capture() override;
+  void end_capture() override;
+  void replay() override;
+  int64_t graph_kernels() const override { return graph_kernels_; }
+
+ private:
+  // Makes device_ current on the calling thread (cheap when it already is).
+  void activate() const;
+  void free_resources() noexcept;
+  void gdn_run(const char* op, const Tensor& qkv, const Tensor& ba, const Tensor& A_log, const Tensor& dt_bias,
+               const Tensor& state, const GdnParams& p, const Tensor& out);
+
+  int device_ = 0;
+  int sm_count_ = 0;
+  cudaStream_t stream_ = nullptr;
+  void* workspace_ = nullptr;  // op scratch; ops on the one stream never overlap, so they share it
+  size_t workspace_bytes_ = 0;
+  // Pinned staging for host copies: two halves, so that converting one chunk on the host overlaps
+  // the transfer of the previous one.
+  static constexpr size_t kStagingBytes = size_t(16) << 20;
+  void* staging_[2] = {nullptr, nullptr};
+  cudaEvent_t staging_done_[2] = {nullptr, nullptr};
+  bool capturing_ = false;
+  cudaGraphExec_t graph_exec_ = nullptr;
+  int64_t graph_kernels_ = 0;
+};
+
+}  // namespace ocria_rt
+
+namespace ocria_rt {
+namespace cuda {
+
+// V consecutive elements, for 16-byte (or smaller) vector loads and stores.
+template <class T, int V> struct alignas(sizeof(T) * V) Pack {
+  T v[V];
+};
+template <class T, int V> __device__ __forceinline__ Pack<T, V> load_pack(const T* p) {
+  return *reinterpret_cast<const Pack<T, V>*>(p);
+}
+template <class T, int V> __device__ __forceinline__ void store_pack(T* p, const Pack<T, V>& v) {
+  *reinterpret_cast<Pack<T, V>*>(p) = v;
+}
+// Elements per 16-byte vector.
+template <class T> constexpr int vec16() { return 16 / int(sizeof(T)); }
+
+// Whether rows of `cols` elements starting at p with stride `stride` (elements) can all be accessed
+// with V-element vectors.
+inline bool vec_ok(const void* p, int64_t stride, int64_t cols, int V, size_t esz) {
+  return (reinterpret_cast<uintptr_t>(p) % (V * esz)) == 0 && stride % V == 0 && cols % V == 0;
+}
+
+// A 2-D [rows, cols] view of a tensor whose last dimension is `cols` and whose dimension 0 may be
+// strided: row r lives at data + (r / inner) * outer_stride + (r % inner) * cols.
+struct RowView {
+  int64_t rows = 0, inner = 1, outer_stride = 0, cols = 0;
+};
+RowView row_view(const Tensor& t, int64_t cols, const char* op, const char* name);
+
+}  // namespace cuda
+}  // namespace ocria_rt

@@ -1,0 +1,107 @@
+// gdn_conv: causal depthwise conv (width K, no bias) + SiLU over the channels of x [T, C]:
+//   out[t, c] = silu(sum_j w[c, j] * in[t + j, c]),  in = [conv_state (K-1 previous inputs) ; x],
+// so w[c, K-1] multiplies the current input; conv_state [C, K-1] (F32) becomes the last K-1 inputs.
+// One thread per (channel, chunk of kTokens tokens): coalesced over channels, the window slides in
+// registers. With more than one chunk the state update runs as a second kernel (the first chunk
+// still reads the old state).
+#include "ops/cuda/backend.cuh"
+
+namespace ocria_rt {
+namespace cuda {
+namespace {
+
+constexpr int kMaxWidth = 8;
+constexpr int kTokens = 64;
+
+// The window is kept right-aligned in a fixed-size register array (static indices only): after
+// shifting in token t, win[kMaxWidth - K + j] = in[t + j] for j < K, and wr[] holds the weights at
+// the same positions (zeros in front), so out = sum_i wr[i] * win[i].
+template <class T>
+__global__ void conv_kernel(const T* __restrict__ x, int64_t ldx, ParamView w, float* __restrict__ state,
+                            T* __restrict__ out, int64_t ldo, int T_, int C, int K, bool update_state) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  const int t0 = blockIdx.y * kTokens, t1 = min(T_, t0 + kTokens);
+  const int lead = kMaxWidth - K;  // unused front slots
+  float wr[kMaxWidth], win[kMaxWidth];
+#pragma unroll
+  for (int i = 0; i < kMaxWidth; ++i) {
+    wr[i] = i >= lead ? w[int64_t(c) * K + (i - lead)] : 0.0f;
+    // Before token t0: win[lead + 1 + j] = in[t0 + j], j < K-1; in[p] = state[p] (p < K-1) or x[p - (K-1)].
+    const int j = i - lead - 1;
+    win[i] = 0.0f;
+    if (j >= 0) {
+      const int p = t0 + j;
+      win[i] = p < K - 1 ? state[int64_t(c) * (K - 1) + p] : to_float(x[int64_t(p - (K - 1)) * ldx + c]);
+    }
+  }
+  for (int t = t0; t < t1; ++t) {
+#pragma unroll
+    for (int i = 0; i < kMaxWidth - 1; ++i) win[i] = win[i + 1];
+    win[kMaxWidth - 1] = to_float(x[int64_t(t) * ldx + c]);
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kMaxWidth; ++i) s = fmaf(wr[i], win[i], s);
+    out[int64_t(t) * ldo + c] = from_float<T>(silu(s));
+  }
+  if (update_state) {  // single chunk: this thread read the old state above; win now ends in in[T .. T+K-2]
+#pragma unroll
+    for (int i = 0; i < kMaxWidth; ++i) {
+      const int j = i - lead - 1;
+      if (j >= 0) state[int64_t(c) * (K - 1) + j] = win[i];
+    }
+  }
+}
+
+// state[c, j] = in[T + j] = x[T - (K-1) + j] (T >= K-1 here, else the single-chunk path ran).
+template <class T>
+__global__ void conv_state_kernel(const T* __restrict__ x, int64_t ldx, float* __restrict__ state, int T_, int C,
+                                  int K) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  for (int j = 0; j < K - 1; ++j) state[int64_t(c) * (K - 1) + j] = to_float(x[int64_t(T_ - (K - 1) + j) * ldx + c]);
+}
+
+template <class T>
+void launch(const Tensor& x, ParamView w, const Tensor& state, const Tensor& out, int T_, int C, int K,
+            cudaStream_t s) {
+  const int chunks = (T_ + kTokens - 1) / kTokens;
+  dim3 grid(unsigned((C + 127) / 128), unsigned(chunks));
+  conv_kernel<T><<<grid, 128, 0, s>>>(x.ptr<const T>(), x.row_stride, w, state.ptr<float>(), out.ptr<T>(),
+                                      out.row_stride, T_, C, K, chunks == 1);
+  check_launch("conv_kernel");
+  if (chunks > 1) {
+    conv_state_kernel<T><<<unsigned((C + 127) / 128), 128, 0, s>>>(x.ptr<const T>(), x.row_stride, state.ptr<float>(),
+                                                                   T_, C, K);
+    check_launch("conv_state_kernel");
+  }
+}
+
+}  // namespace
+}  // namespace cuda
+
+void CudaBackend::gdn_conv(const Tensor& x, const Tensor& conv_weight, const Tensor& conv_state, const Tensor& out) {
+  using namespace cuda;
+  const char* op = "gdn_conv";
+  require_float(x, op, "x");
+  require_tensor(out, x.dtype, op, "out");
+  require_tensor(conv_state, DType::F32, op, "conv_state");
+  ParamView w = param_view(conv_weight, op, "conv_weight");
+  require(x.ndim == 2 && out.ndim == 2 && x.dim(0) == out.dim(0) && x.dim(1) == out.dim(1), op,
+          "x " + x.shape_str() + " vs out " + out.shape_str());
+  const int64_t T = x.dim(0), C = x.dim(1), K = conv_weight.dim(-1);
+  require(conv_weight.numel() == C * K, op, "conv_weight " + conv_weight.shape_str() + " for " + std::to_string(C) +
+                                                " channels");
+  require(K >= 2 && K <= kMaxWidth, op, "conv width " + std::to_string(K) + " unsupported (2..8)");
+  require(conv_state.numel() == C * (K - 1) && conv_state.contiguous(), op,
+          "conv_state " + conv_state.shape_str() + ", expected [C, K-1] contiguous");
+  require(T <= (int64_t(65535) * kTokens), op, "too many tokens");
+  if (T == 0 || C == 0) return;
+  activate();
+  if (x.dtype == DType::BF16)
+    launch<bf16>(x, w, conv_state, out, int(T), int(C), int(K), stream_);
+  else
+    launch<float>(x, w, conv_state, out, int(T), int(C), int(K), stream_);
+}
+
+}  // namespace ocria_rt

@@ -1,0 +1,248 @@
+// Gated DeltaNet: the recurrence (gdn_recurrent, gdn_chunked) and the gated output norm.
+//
+// Per value head h (key head h / (HV / HK)) and token t, with S [dk, dv] fp32:
+//   q, k L2-normalised, q *= dk^-0.5, beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)
+//   S = exp(g) S;  u = beta (v - S^T k);  S = S + k u^T;  o = S^T q
+// Since S_new = S_dec + k u^T, o = S_dec^T q + u (k . q): both reductions over dk (S_dec^T k and
+// S_dec^T q) happen in the same pass, so each token needs one block-wide exchange.
+//
+// Kernel layout: one block per (value head, 32 columns of dv), 4 warps. Lane = column j; warp w holds
+// rows i in [w dk/4, (w+1) dk/4) of S in registers for the whole call, so the state is read and
+// written once. Tokens are processed in chunks of 16: the warps first normalise q, k and compute
+// beta, exp(g), k.q of the chunk's tokens into shared memory, then step through the tokens.
+//
+// gdn_chunked runs the same kernel: it is exact, and costs ~0.1-0.2 us per token per layer, fine for
+// the prompt lengths of page parsing. A chunked (WY / UT-transform) tensor-core kernel for long
+// prefills is future work.
+#include "ops/cuda/backend.cuh"
+
+namespace ocria_rt {
+namespace cuda {
+namespace {
+
+constexpr int kTokChunk = 16;
+constexpr int kWarps = 4;
+
+__device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(__expf(x)); }  // torch threshold
+
+template <int DK, class T>
+__global__ void __launch_bounds__(kWarps * 32)
+    gdn_recurrent_kernel(const T* __restrict__ qkv, int64_t ldq, const T* __restrict__ ba, int64_t ldb, ParamView A_log,
+                         ParamView dt_bias, float* __restrict__ state, T* __restrict__ out, int64_t ldo, int n_tokens,
+                         int HK, int HV, int dv) {
+  constexpr int R = DK / kWarps;  // rows of S per thread
+  constexpr int E = DK / 32;      // q / k elements per lane in the prologue
+  __shared__ __align__(16) float qs[kTokChunk][DK];
+  __shared__ __align__(16) float ks[kTokChunk][DK];
+  __shared__ float vs[kTokChunk][32];
+  __shared__ float beta_s[kTokChunk], decay_s[kTokChunk], kq_s[kTokChunk];
+  __shared__ float red[2][kWarps][32][2];  // [token parity][warp][column] (S^T k, S^T q) partial sums
+
+  const int h = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int col = blockIdx.y * 32 + lane;
+  const int hk = h / (HV / HK);
+  const int64_t q_off = int64_t(hk) * DK, k_off = int64_t(HK + hk) * DK, v_off = int64_t(2 * HK) * DK + int64_t(h) * dv;
+  const float q_scale = rsqrtf(float(DK));
+  const float neg_A = -__expf(A_log[h]), dtb = dt_bias[h];
+
+  float* Sp = state + int64_t(h) * DK * dv + int64_t(warp * R) * dv + col;
+  float S[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) S[r] = Sp[int64_t(r) * dv];
+
+  int parity = 0;
+  for (int tc = 0; tc < n_tokens; tc += kTokChunk) {
+    const int nt = min(kTokChunk, n_tokens - tc);
+    __syncthreads();  // the previous chunk's shared inputs are no longer read
+    for (int tt = warp; tt < nt; tt += kWarps) {
+      const T* row = qkv + int64_t(tc + tt) * ldq;
+      float qv[E], kv[E], ssq = 0.0f, ssk = 0.0f;
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        qv[e] = to_float(row[q_off + lane + 32 * e]);
+        kv[e] = to_float(row[k_off + lane + 32 * e]);
+        ssq = fmaf(qv[e], qv[e], ssq);
+        ssk = fmaf(kv[e], kv[e], ssk);
+      }
+      // x * rsqrt(sum x^2 + 1e-6), as transformers / fla l2norm; q additionally * dk^-0.5.
+      const float qi = rsqrtf(warp_sum(ssq) + 1e-6f) * q_scale, ki = rsqrtf(warp_sum(ssk) + 1e-6f);
+      float kq = 0.0f;
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        const float qn = qv[e] * qi, kn = kv[e] * ki;
+        qs[tt][lane + 32 * e] = qn;
+        ks[tt][lane + 32 * e] = kn;
+        kq = fmaf(qn, kn, kq);
+      }
+      kq = warp_sum(kq);
+      vs[tt][lane] = to_float(row[v_off + col]);
+      if (lane == 0) {
+        const T* bar = ba + int64_t(tc + tt) * ldb;
+        beta_s[tt] = sigmoid(to_float(bar[h]));
+        decay_s[tt] = __expf(neg_A * softplus(to_float(bar[HV + h]) + dtb));
+        kq_s[tt] = kq;
+      }
+    }
+    __syncthreads();
+    for (int tt = 0; tt < nt; ++tt) {
+      const float d = decay_s[tt];
+      const float* kt = &ks[tt][warp * R];
+      const float* qt = &qs[tt][warp * R];
+      float pk = 0.0f, pq = 0.0f;
+#pragma unroll
+      for (int r = 0; r < R; r += 4) {
+        const float4 k4 = *reinterpret_cast<const float4*>(kt + r);
+        const float4 q4 = *reinterpret_cast<const float4*>(qt + r);
+        S[r] *= d, S[r + 1] *= d, S[r + 2] *= d, S[r + 3] *= d;
+        pk = fmaf(S[r], k4.x, fmaf(S[r + 1], k4.y, fmaf(S[r + 2], k4.z, fmaf(S[r + 3], k4.w, pk))));
+        pq = fmaf(S[r], q4.x, fmaf(S[r + 1], q4.y, fmaf(S[r + 2], q4.z, fmaf(S[r + 3], q4.w, pq))));
+      }
+      red[parity][warp][lane][0] = pk;
+      red[parity][warp][lane][1] = pq;
+      // One barrier per token: red is double-buffered by token parity, and a warp can only write
+      // this buffer again after everyone passed the next token's barrier, i.e. finished reading it.
+      __syncthreads();
+      float sk = 0.0f, sq = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        sk += red[parity][w][lane][0];
+        sq += red[parity][w][lane][1];
+      }
+      const float u = beta_s[tt] * (vs[tt][lane] - sk);
+#pragma unroll
+      for (int r = 0; r < R; r += 4) {
+        const float4 k4 = *reinterpret_cast<const float4*>(kt + r);
+        S[r] = fmaf(k4.x, u, S[r]);
+        S[r + 1] = fmaf(k4.y, u, S[r + 1]);
+        S[r + 2] = fmaf(k4.z, u, S[r + 2]);
+        S[r + 3] = fmaf(k4.w, u, S[r + 3]);
+      }
+      if (warp == 0) out[int64_t(tc + tt) * ldo + int64_t(h) * dv + col] = from_float<T>(sq + u * kq_s[tt]);
+      parity ^= 1;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) Sp[int64_t(r) * dv] = S[r];
+}
+
+// out = weight * rmsnorm(o) * silu(z) per (token, value head); one warp per row of dv.
+template <class T>
+__global__ void gated_norm_kernel(const T* __restrict__ o, int64_t ldo_in, const T* __restrict__ z, int64_t ldz,
+                                  ParamView w, T* __restrict__ out, int64_t ldo, int64_t rows, int HV, int dv,
+                                  float eps) {
+  const int64_t r = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (r >= rows) return;
+  const int64_t t = r / HV, h = r % HV;
+  const T* orow = o + t * ldo_in + h * dv;
+  const T* zrow = z + t * ldz + h * dv;
+  T* dst = out + t * ldo + h * dv;
+  float ss = 0.0f;
+  for (int i = lane; i < dv; i += 32) {
+    const float v = to_float(orow[i]);
+    ss = fmaf(v, v, ss);
+  }
+  const float inv = rsqrtf(warp_sum(ss) / float(dv) + eps);
+  for (int i = lane; i < dv; i += 32)
+    dst[i] = from_float<T>(to_float(orow[i]) * inv * (w[i] * silu(to_float(zrow[i]))));
+}
+
+template <class T>
+void launch_recurrent(int dk, dim3 grid, const Tensor& qkv, const Tensor& ba, ParamView A_log, ParamView dt_bias,
+                      const Tensor& state, const Tensor& out, int n, int HK, int HV, int dv, cudaStream_t s) {
+  const T* q = qkv.ptr<const T>();
+  const T* b = ba.ptr<const T>();
+  switch (dk) {
+    case 64:
+      gdn_recurrent_kernel<64, T><<<grid, kWarps * 32, 0, s>>>(q, qkv.row_stride, b, ba.row_stride, A_log, dt_bias,
+                                                               state.ptr<float>(), out.ptr<T>(), out.row_stride, n,
+                                                               HK, HV, dv);
+      break;
+    case 128:
+      gdn_recurrent_kernel<128, T><<<grid, kWarps * 32, 0, s>>>(q, qkv.row_stride, b, ba.row_stride, A_log, dt_bias,
+                                                                state.ptr<float>(), out.ptr<T>(), out.row_stride, n,
+                                                                HK, HV, dv);
+      break;
+    case 256:
+      gdn_recurrent_kernel<256, T><<<grid, kWarps * 32, 0, s>>>(q, qkv.row_stride, b, ba.row_stride, A_log, dt_bias,
+                                                                state.ptr<float>(), out.ptr<T>(), out.row_stride, n,
+                                                                HK, HV, dv);
+      break;
+  }
+  check_launch("gdn_recurrent_kernel");
+}
+
+}  // namespace
+}  // namespace cuda
+
+void CudaBackend::gdn_run(const char* op, const Tensor& qkv, const Tensor& ba, const Tensor& A_log,
+                          const Tensor& dt_bias, const Tensor& state, const GdnParams& p, const Tensor& out) {
+  using namespace cuda;
+  require_float(qkv, op, "qkv");
+  require_tensor(ba, qkv.dtype, op, "ba");
+  require_tensor(out, qkv.dtype, op, "out");
+  require_tensor(state, DType::F32, op, "state");
+  ParamView a_log = param_view(A_log, op, "A_log"), dtb = param_view(dt_bias, op, "dt_bias");
+  const int64_t HK = p.num_k_heads, HV = p.num_v_heads, dk = p.k_head_dim, dv = p.v_head_dim;
+  require(HK > 0 && HV > 0 && HV % HK == 0, op, "HV must be a positive multiple of HK");
+  require(dk == 64 || dk == 128 || dk == 256, op, "k_head_dim " + std::to_string(dk) + " unsupported (64/128/256)");
+  require(dv > 0 && dv % 32 == 0, op, "v_head_dim must be a multiple of 32, got " + std::to_string(dv));
+  require(qkv.ndim == 2 && qkv.dim(1) == p.conv_dim(), op, "qkv " + qkv.shape_str() + " vs conv_dim " +
+                                                               std::to_string(p.conv_dim()));
+  const int64_t T = qkv.dim(0);
+  require(ba.ndim == 2 && ba.dim(0) == T && ba.dim(1) == 2 * HV, op, "ba " + ba.shape_str());
+  require(out.ndim == 2 && out.dim(0) == T && out.dim(1) == HV * dv, op, "out " + out.shape_str());
+  require(state.numel() == HV * dk * dv && state.contiguous(), op, "state " + state.shape_str());
+  require(A_log.numel() == HV && dt_bias.numel() == HV, op, "A_log / dt_bias must have HV elements");
+  if (T == 0) return;
+  require(T < (int64_t(1) << 31), op, "too many tokens");
+  activate();
+  dim3 grid{unsigned(HV), unsigned(dv / 32)};
+  if (qkv.dtype == DType::BF16)
+    launch_recurrent<bf16>(int(dk), grid, qkv, ba, a_log, dtb, state, out, int(T), int(HK), int(HV), int(dv), stream_);
+  else
+    launch_recurrent<float>(int(dk), grid, qkv, ba, a_log, dtb, state, out, int(T), int(HK), int(HV), int(dv), stream_);
+}
+
+void CudaBackend::gdn_recurrent(const Tensor& qkv, const Tensor& ba, const Tensor& A_log, const Tensor& dt_bias,
+                                const Tensor& state, const GdnParams& p, const Tensor& out) {
+  gdn_run("gdn_recurrent", qkv, ba, A_log, dt_bias, state, p, out);
+}
+
+void CudaBackend::gdn_chunked(const Tensor& qkv, const Tensor& ba, const Tensor& A_log, const Tensor& dt_bias,
+                              const Tensor& state, const GdnParams& p, const Tensor& out) {
+  gdn_run("gdn_chunked", qkv, ba, A_log, dt_bias, state, p, out);
+}
+
+void CudaBackend::gdn_gated_norm(const Tensor& o, const Tensor& z, const Tensor& weight, const GdnParams& p,
+                                 const Tensor& out) {
+  using namespace cuda;
+  const char* op = "gdn_gated_norm";
+  require_float(o, op, "o");
+  require_tensor(z, o.dtype, op, "z");
+  require_tensor(out, o.dtype, op, "out");
+  ParamView w = param_view(weight, op, "weight");
+  const int64_t HV = p.num_v_heads, dv = p.v_head_dim;
+  require(weight.numel() == dv, op, "weight must have v_head_dim elements");
+  require(o.ndim == 2 && z.ndim == 2 && out.ndim == 2 && o.dim(1) == HV * dv && z.dim(1) == HV * dv &&
+              out.dim(1) == HV * dv && z.dim(0) == o.dim(0) && out.dim(0) == o.dim(0),
+          op, "o " + o.shape_str() + ", z " + z.shape_str() + ", out " + out.shape_str());
+  const int64_t rows = o.dim(0) * HV;
+  if (rows == 0) return;
+  activate();
+  constexpr int kRowsPerBlock = 4;
+  const unsigned blocks = unsigned((rows + kRowsPerBlock - 1) / kRowsPerBlock);
+  if (o.dtype == DType::BF16)
+    gated_norm_kernel<bf16><<<blocks, kRowsPerBlock * 32, 0, stream_>>>(o.ptr<const bf16>(), o.row_stride,
+                                                                         z.ptr<const bf16>(), z.row_stride, w,
+                                                                         out.ptr<bf16>(), out.row_stride, rows, int(HV),
+                                                                         int(dv), p.norm_eps);
+  else
+    gated_norm_kernel<float><<<blocks, kRowsPerBlock * 32, 0, stream_>>>(o.ptr<const float>(), o.row_stride,
+                                                                          z.ptr<const float>(), z.row_stride, w,
+                                                                          out.ptr<float>(), out.row_stride, rows,
+                                                                          int(HV), int(dv), p.norm_eps);
+  check_launch("gated_norm_kernel");
+}
+
+}  // namespace ocria_rt

@@ -1,0 +1,302 @@
+// linear: out[M, N] = x[M, K] · W[N, K]^T (+ bias), BF16 in, fp32 accumulate.
+//
+// Dispatch on M (tokens):
+//  - M <= 16: skinny GEMM that streams W once (decode / speculative verify are memory bound). See
+//    skinny_gemm_kernel below.
+//  - M > 16: CUTLASS sm90 TMA/wgmma GEMM (linear_gemm_sm90.cu), bias added by a second kernel.
+//  - anything the two cannot take (K or a stride not a multiple of 8, misaligned views, F32 output
+//    for M > 16): a simple shared-memory tiled kernel.
+#include "ops/cuda/backend.cuh"
+#include "ops/cuda/linear.cuh"
+
+namespace ocria_rt {
+namespace cuda {
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Skinny GEMM on tensor cores (mma.sync m16n8k16, BF16 -> fp32).
+//
+// The product is computed transposed, out^T[N, M] = W[N, K] · x[M, K]^T, so that W is the 16-row
+// A operand and the (at most 16) tokens are the 8-column B operand of one or two mma tiles. A block
+// owns 16 rows of W and all tokens; its WARPS warps split K (warp w takes 32-wide K chunks
+// w, w + WARPS, ...), and the partial tiles are summed in shared memory at the end.
+//
+// 16-byte loads: a dot product may sum over K in any order, so inside each 32-wide chunk the K
+// positions are permuted such that every thread's mma fragments come from one 16-byte load per row.
+// Thread (g = lane / 4, t = lane % 4) loads W rows g and g + 8 and x row g at k = 8t .. 8t + 7 and
+// uses the 32-bit words {0, 1} for the first k16 mma step and {2, 3} for the second: in both the A
+// and the B fragment, mma column / row pairs (2t, 2t+1) and (2t+8, 2t+9) then hold the same
+// physical k, so the permutation is consistent and the result exact.
+//
+// Loads in flight: W goes through a per-thread ring of S shared-memory stages of U chunks, filled by
+// cp.async (16 bytes each, L2 only, zero-filled past the edges), so that (S - 1) * U chunks of every
+// thread are in flight while it multiplies the oldest stage. A thread only reads back what it copied
+// itself, so the ring needs cp.async.wait_group but no barrier. x (at most 16 rows, reused by every
+// block) is read straight from L1.
+// ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+// c += A(16x16, row) · B(16x8, col), BF16 inputs, fp32 accumulators.
+__device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                          uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+template <class T> __device__ __forceinline__ void store_out(T* p, float v);
+template <> __device__ __forceinline__ void store_out<bf16>(bf16* p, float v) { *p = __float2bfloat16_rn(v); }
+template <> __device__ __forceinline__ void store_out<float>(float* p, float v) { *p = v; }
+
+template <int WARPS, int U, int S> constexpr int skinny_smem_bytes() { return S * U * 2 * WARPS * 32 * 16; }
+
+// Requirements (checked by the caller): K % 8 == 0, ldx % 8 == 0, ldw % 8 == 0, x and w 16-byte
+// aligned, 1 <= M <= 8 * NT. Dynamic shared memory: skinny_smem_bytes<WARPS, U, S>().
+template <int WARPS, int NT, int U, int S, class OutT>
+__global__ void __launch_bounds__(WARPS * 32)
+    skinny_gemm_kernel(const bf16* __restrict__ x, int64_t ldx, int M, const bf16* __restrict__ w, int64_t ldw,
+                       int N, int K, ParamView bias, bool has_bias, OutT* __restrict__ out, int64_t ldo) {
+  constexpr int NTH = WARPS * 32;
+  extern __shared__ uint4 wring[];      // [S][U][2 rows][NTH]: a thread's slots are column tid
+  __shared__ float red[WARPS][16][16];  // [warp][W row][token]
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int n0 = blockIdx.x * 16;
+  const bool row_ok0 = n0 + g < N, row_ok1 = n0 + g + 8 < N;
+  const bf16* w0 = w + int64_t(row_ok0 ? n0 + g : 0) * ldw + 8 * t;
+  const bf16* w1 = w + int64_t(row_ok1 ? n0 + g + 8 : 0) * ldw + 8 * t;
+  bool tok_ok[NT];
+  const bf16* xr[NT];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    tok_ok[j] = g + 8 * j < M;
+    xr[j] = x + int64_t(tok_ok[j] ? g + 8 * j : 0) * ldx + 8 * t;
+  }
+
+  const int nchunks = (K + 31) >> 5;  // 32-wide K chunks; warp w takes w, w + WARPS, ...
+  const int my_chunks = warp < nchunks ? (nchunks - warp + WARPS - 1) / WARPS : 0;
+  const int iters = (my_chunks + U - 1) / U;
+  // K % 8 == 0: a thread's 16-byte piece of a chunk is all in range or all out.
+  auto piece_in = [&](int c) { return c < nchunks && c * 32 + 8 * t < K; };
+  auto issue = [&](int it) {  // stage `it` of this thread into ring slot it % S
+    uint4* slot = wring + (it % S) * U * 2 * NTH + tid;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = warp + WARPS * (it * U + u);
+      const bool in = it < iters && piece_in(c);
+      const int k = in ? c * 32 : 0;
+      cp_async16(slot + (2 * u) * NTH, w0 + k, in && row_ok0 ? 16 : 0);
+      cp_async16(slot + (2 * u + 1) * NTH, w1 + k, in && row_ok1 ? 16 : 0);
+    }
+    cp_async_commit();  // always commit (possibly empty) so that group counting stays uniform
+  };
+
+  float acc[NT][4];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) issue(s);
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  for (int it = 0; it < iters; ++it) {
+    cp_async_wait<S - 2>();  // stage `it` has landed
+    issue(it + S - 1);       // refills the slot read in the previous iteration
+    const uint4* slot = wring + (it % S) * U * 2 * NTH + tid;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = warp + WARPS * (it * U + u);
+      const bool in = piece_in(c);
+      const uint4 wa = slot[(2 * u) * NTH], wb = slot[(2 * u + 1) * NTH];
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const uint4 xv = in && tok_ok[j] ? __ldg(reinterpret_cast<const uint4*>(xr[j] + c * 32)) : zero;
+        mma_16816(acc[j], wa.x, wb.x, wa.y, wb.y, xv.x, xv.y);  // k = 8t + {0,1 | 2,3}
+        mma_16816(acc[j], wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);  // k = 8t + {4,5 | 6,7}
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // Accumulator fragment: c0, c1 = (row g, tokens 2t, 2t+1), c2, c3 = (row g + 8, same tokens).
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    red[warp][g][8 * j + 2 * t] = acc[j][0];
+    red[warp][g][8 * j + 2 * t + 1] = acc[j][1];
+    red[warp][g + 8][8 * j + 2 * t] = acc[j][2];
+    red[warp][g + 8][8 * j + 2 * t + 1] = acc[j][3];
+  }
+  __syncthreads();
+  if (tid < 16 * 8 * NT) {
+    const int row = tid & 15, tok = tid >> 4;
+    const int n = n0 + row;
+    if (n < N && tok < M) {
+      float sum = 0.0f;
+#pragma unroll
+      for (int i = 0; i < WARPS; ++i) sum += red[i][row][tok];
+      if (has_bias) sum += bias[n];
+      store_out(out + int64_t(tok) * ldo + n, sum);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fallback: 64 x 64 output tiles, K in steps of 32 through shared memory, 4 x 4 outputs per thread,
+// scalar loads with bounds checks. Any K, stride or alignment.
+// ---------------------------------------------------------------------------------------------
+template <class OutT>
+__global__ void __launch_bounds__(256)
+    linear_fallback_kernel(const bf16* __restrict__ x, int64_t ldx, int M, const bf16* __restrict__ w,
+                           int64_t ldw, int N, int K, ParamView bias, bool has_bias, OutT* __restrict__ out,
+                           int64_t ldo) {
+  __shared__ float xs[32][65];  // [k][m]
+  __shared__ float ws[32][65];  // [k][n]
+  const int tm = threadIdx.x >> 4, tn = threadIdx.x & 15;
+  const int m0 = blockIdx.y * 64, n0 = blockIdx.x * 64;
+  float acc[4][4] = {};
+  for (int k0 = 0; k0 < K; k0 += 32) {
+    for (int i = threadIdx.x; i < 64 * 32; i += 256) {
+      const int r = i >> 5, kk = i & 31, k = k0 + kk;
+      xs[kk][r] = (m0 + r < M && k < K) ? __bfloat162float(x[int64_t(m0 + r) * ldx + k]) : 0.0f;
+      ws[kk][r] = (n0 + r < N && k < K) ? __bfloat162float(w[int64_t(n0 + r) * ldw + k]) : 0.0f;
+    }
+    __syncthreads();
+#pragma unroll 8
+    for (int kk = 0; kk < 32; ++kk) {
+      float a[4], b[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) a[i] = xs[kk][tm + 16 * i];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) b[j] = ws[kk][tn + 16 * j];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int m = m0 + tm + 16 * i;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int n = n0 + tn + 16 * j;
+      if (m < M && n < N) store_out(out + int64_t(m) * ldo + n, acc[i][j] + (has_bias ? bias[n] : 0.0f));
+    }
+  }
+}
+
+// out[m, n] += bias[n] (the CUTLASS path has no bias epilogue; the text decoder has no biases).
+__global__ void add_bias_kernel(bf16* __restrict__ out, int64_t ldo, int M, int N, ParamView bias) {
+  const int m = blockIdx.y;
+  for (int n = blockIdx.x * blockDim.x + threadIdx.x; n < N; n += gridDim.x * blockDim.x) {
+    bf16* p = out + int64_t(m) * ldo + n;
+    *p = __float2bfloat16_rn(__bfloat162float(*p) + bias[n]);
+  }
+}
+
+template <int WARPS, int NT, int U, int S, class OutT>
+void launch_skinny_cfg(const bf16* x, int64_t ldx, int M, const bf16* w, int64_t ldw, int N, int K, ParamView bias,
+                       bool has_bias, OutT* out, int64_t ldo, cudaStream_t stream) {
+  constexpr int smem = skinny_smem_bytes<WARPS, U, S>();
+  auto kernel = skinny_gemm_kernel<WARPS, NT, U, S, OutT>;
+  // Once per instantiation (thread-safe static initialisation); allowed during graph capture.
+  static const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  check_cuda(attr, "cudaFuncSetAttribute (skinny_gemm_kernel)");
+  kernel<<<dim3((N + 15) / 16), WARPS * 32, smem, stream>>>(x, ldx, M, w, ldw, N, K, bias, has_bias, out, ldo);
+  check_launch("skinny_gemm_kernel");
+}
+
+template <class OutT>
+void launch_skinny(const bf16* x, int64_t ldx, int M, const bf16* w, int64_t ldw, int N, int K, ParamView bias,
+                   bool has_bias, OutT* out, int64_t ldo, int sm_count, cudaStream_t stream) {
+  const int tiles = (N + 15) / 16;
+  // Few row tiles (N = 2560: 160 tiles on 132 SMs) cannot keep enough bytes in flight with 8 warps
+  // per tile: give each tile 16 warps then. Ring sizes: 64 KiB (8 warps, 3 blocks per SM) and
+  // 96 KiB (16 warps, 2 blocks per SM); 192 resp. 128 bytes in flight per thread.
+  const bool wide = tiles < 4 * sm_count;
+  if (M <= 8) {
+    if (wide)
+      launch_skinny_cfg<16, 1, 2, 3>(x, ldx, M, w, ldw, N, K, bias, has_bias, out, ldo, stream);
+    else
+      launch_skinny_cfg<8, 1, 2, 4>(x, ldx, M, w, ldw, N, K, bias, has_bias, out, ldo, stream);
+  } else {
+    if (wide)
+      launch_skinny_cfg<16, 2, 2, 3>(x, ldx, M, w, ldw, N, K, bias, has_bias, out, ldo, stream);
+    else
+      launch_skinny_cfg<8, 2, 2, 4>(x, ldx, M, w, ldw, N, K, bias, has_bias, out, ldo, stream);
+  }
+}
+
+template <class OutT>
+void launch_fallback(const bf16* x, int64_t ldx, int M, const bf16* w, int64_t ldw, int N, int K, ParamView bias,
+                     bool has_bias, OutT* out, int64_t ldo, cudaStream_t stream) {
+  dim3 grid((N + 63) / 64, (M + 63) / 64);
+  require(grid.y <= 65535, "linear", "too many rows for the fallback kernel");
+  linear_fallback_kernel<OutT><<<grid, 256, 0, stream>>>(x, ldx, M, w, ldw, N, K, bias, has_bias, out, ldo);
+  check_launch("linear_fallback_kernel");
+}
+
+}  // namespace
+}  // namespace cuda
+
+void CudaBackend::linear(const Tensor& x, const LinearWeight& lw, const Tensor& out) {
+  using namespace cuda;
+  const char* op = "linear";
+  require(lw.format == LinearWeight::Format::kDense, op, "only dense weights are supported");
+  const Tensor& w = lw.weight;
+  require_tensor(x, DType::BF16, op, "x");
+  require_tensor(w, DType::BF16, op, "weight");
+  require_float(out, op, "out");
+  require(x.ndim == 2 && w.ndim == 2 && out.ndim == 2, op,
+          "expected 2-D x, weight and out, got " + x.shape_str() + ", " + w.shape_str() + ", " + out.shape_str());
+  const int64_t M = x.dim(0), K = x.dim(1), N = w.dim(0);
+  require(w.dim(1) == K && out.dim(0) == M && out.dim(1) == N, op,
+          "shape mismatch: x " + x.shape_str() + ", weight " + w.shape_str() + ", out " + out.shape_str());
+  require(M < (int64_t(1) << 31) && N < (int64_t(1) << 31) && K < (int64_t(1) << 31), op, "dimension too large");
+  const bool has_bias = lw.bias.defined();
+  ParamView bias{};
+  if (has_bias) {
+    bias = param_view(lw.bias, op, "bias");
+    require(lw.bias.numel() == N, op, "bias has " + std::to_string(lw.bias.numel()) + " elements, expected N");
+  }
+  if (M == 0 || N == 0) return;
+  activate();
+  const bf16* xp = x.ptr<bf16>();
+  const bf16* wp = w.ptr<bf16>();
+  const int64_t ldx = x.row_stride, ldw = w.row_stride, ldo = out.row_stride;
+  const bool vec_ok = K % 8 == 0 && ldx % 8 == 0 && ldw % 8 == 0 && aligned16(xp) && aligned16(wp);
+  const bool out_bf16 = out.dtype == DType::BF16;
+
+  if (M <= 16 && vec_ok && K > 0) {
+    if (out_bf16)
+      launch_skinny(xp, ldx, int(M), wp, ldw, int(N), int(K), bias, has_bias, out.ptr<bf16>(), ldo, sm_count_, stream_);
+    else
+      launch_skinny(xp, ldx, int(M), wp, ldw, int(N), int(K), bias, has_bias, out.ptr<float>(), ldo, sm_count_, stream_);
+    return;
+  }
+  if (M > 16 && out_bf16 && K > 0 &&
+      gemm_bf16_sm90(xp, ldx, wp, ldw, out.data, ldo, int(M), int(N), int(K), workspace_, workspace_bytes_, sm_count_,
+                     stream_)) {
+    if (has_bias) {
+      dim3 grid(unsigned((N + 255) / 256), unsigned(M));
+      require(M <= 65535, op, "too many rows for the bias kernel");
+      add_bias_kernel<<<grid, 256, 0, stream_>>>(out.ptr<bf16>(), ldo, int(M), int(N), bias);
+      check_launch("add_bias_kernel");
+    }
+    return;
+  }
+  if (out_bf16)
+    launch_fallback(xp, ldx, int(M), wp, ldw, int(N), int(K), bias, has_bias, out.ptr<bf16>(), ldo, stream_);
+  else
+    launch_fallback(xp, ldx, int(M), wp, ldw, int(N), int(K), bias, has_bias, out.ptr<float>(), ldo, stream_);
+}
+
+}  // namespace ocria_rt

@@ -1,0 +1,113 @@
+// rms_norm, add_rms_norm: zero-centred RMSNorm over the last dimension, one block per row,
+//   out = x * rsqrt(mean(x^2) + eps) * (1 + w), fp32 math; 16-byte vectors where alignment allows.
+#include "ops/cuda/backend.cuh"
+
+namespace ocria_rt {
+namespace cuda {
+namespace {
+
+// Row r of a RowView-shaped tensor.
+template <class T> __device__ __forceinline__ T* row_ptr(T* base, int64_t r, int64_t inner, int64_t outer_stride,
+                                                         int64_t cols) {
+  return base + (r / inner) * outer_stride + (r % inner) * cols;
+}
+
+// ADD: residual += delta first (rounded to T and stored), then the norm of the stored residual.
+template <class T, int V, bool ADD>
+__global__ void rms_norm_kernel(T* __restrict__ x, RowView xv, const T* __restrict__ delta, RowView dv,
+                                T* __restrict__ out, RowView ov, ParamView w, float eps) {
+  __shared__ float red[32];
+  const int64_t r = blockIdx.x;
+  const int D = int(xv.cols);
+  T* xr = row_ptr(x, r, xv.inner, xv.outer_stride, xv.cols);
+  T* orow = row_ptr(out, r, ov.inner, ov.outer_stride, ov.cols);
+  float ss = 0.0f;
+  for (int c = threadIdx.x * V; c < D; c += blockDim.x * V) {
+    Pack<T, V> a = load_pack<T, V>(xr + c);
+    if constexpr (ADD) {
+      const T* drow = row_ptr(delta, r, dv.inner, dv.outer_stride, dv.cols);
+      const Pack<T, V> d = load_pack<T, V>(drow + c);
+#pragma unroll
+      for (int e = 0; e < V; ++e) a.v[e] = from_float<T>(to_float(a.v[e]) + to_float(d.v[e]));
+      store_pack(xr + c, a);
+    }
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      const float f = to_float(a.v[e]);
+      ss = fmaf(f, f, ss);
+    }
+  }
+  ss = block_sum(ss, red);
+  const float inv = rsqrtf(ss / float(D) + eps);
+  for (int c = threadIdx.x * V; c < D; c += blockDim.x * V) {
+    const Pack<T, V> a = load_pack<T, V>(xr + c);  // this thread's own (possibly just written) values
+    Pack<T, V> o;
+#pragma unroll
+    for (int e = 0; e < V; ++e) o.v[e] = from_float<T>(to_float(a.v[e]) * inv * (1.0f + w[c + e]));
+    store_pack(orow + c, o);
+  }
+}
+
+int block_for(int64_t cols, int V) {
+  int64_t threads = (cols / V + 31) / 32 * 32;
+  return int(threads < 32 ? 32 : threads > 512 ? 512 : threads);
+}
+
+template <class T, bool ADD>
+void launch_rms_norm(const Tensor& x, const Tensor* delta, const Tensor& out, ParamView w, int64_t D, float eps,
+                     cudaStream_t stream, const char* op) {
+  RowView xv = row_view(x, D, op, "x"), ov = row_view(out, D, op, "out"), dv{};
+  require(xv.rows == ov.rows, op, "x " + x.shape_str() + " and out " + out.shape_str() + " differ in rows");
+  if (ADD) {
+    dv = row_view(*delta, D, op, "delta");
+    require(dv.rows == xv.rows, op, "residual " + x.shape_str() + " and delta " + delta->shape_str() + " differ");
+  }
+  if (xv.rows == 0 || D == 0) return;
+  require(xv.rows <= 0x7fffffff, op, "too many rows");
+  constexpr int V = vec16<T>();
+  bool vec = vec_ok(x.data, xv.outer_stride, D, V, sizeof(T)) && vec_ok(out.data, ov.outer_stride, D, V, sizeof(T));
+  if (ADD) vec = vec && vec_ok(delta->data, dv.outer_stride, D, V, sizeof(T));
+  const T* dp = ADD ? delta->ptr<const T>() : nullptr;
+  if (vec)
+    rms_norm_kernel<T, V, ADD><<<unsigned(xv.rows), block_for(D, V), 0, stream>>>(x.ptr<T>(), xv, dp, dv, out.ptr<T>(),
+                                                                                 ov, w, eps);
+  else
+    rms_norm_kernel<T, 1, ADD><<<unsigned(xv.rows), block_for(D, 1), 0, stream>>>(x.ptr<T>(), xv, dp, dv, out.ptr<T>(),
+                                                                                 ov, w, eps);
+  check_launch("rms_norm_kernel");
+}
+
+}  // namespace
+}  // namespace cuda
+
+void CudaBackend::rms_norm(const Tensor& x, const Tensor& weight, const Tensor& out, float eps) {
+  using namespace cuda;
+  const char* op = "rms_norm";
+  require_float(x, op, "x");
+  require_tensor(out, x.dtype, op, "out");
+  ParamView w = param_view(weight, op, "weight");
+  const int64_t D = weight.numel();
+  activate();
+  if (x.dtype == DType::BF16)
+    launch_rms_norm<bf16, false>(x, nullptr, out, w, D, eps, stream_, op);
+  else
+    launch_rms_norm<float, false>(x, nullptr, out, w, D, eps, stream_, op);
+}
+
+void CudaBackend::add_rms_norm(const Tensor& residual, const Tensor& delta, const Tensor& weight, const Tensor& out,
+                               float eps) {
+  using namespace cuda;
+  const char* op = "add_rms_norm";
+  require_float(residual, op, "residual");
+  require_tensor(delta, residual.dtype, op, "delta");
+  require_tensor(out, residual.dtype, op, "out");
+  ParamView w = param_view(weight, op, "weight");
+  const int64_t D = weight.numel();
+  activate();
+  if (residual.dtype == DType::BF16)
+    launch_rms_norm<bf16, true>(residual, &delta, out, w, D, eps, stream_, op);
+  else
+    launch_rms_norm<float, true>(residual, &delta, out, w, D, eps, stream_, op);
+}
+
+}  // namespace ocria_rt

@@ -1,0 +1,678 @@
+// sample: one token per row of logits [R, V], the same rule as the CPU backend (cpu/sampling.cpp):
+//  - temperature <= 0: argmax, lowest index on ties;
+//  - else p = softmax((logits - max) / temperature); candidates ordered by p descending, ties by
+//    lower index; keep the first top_k (if > 0), then the smallest prefix whose cumulative p reaches
+//    top_p (if < 1); u = uniform_hash(seed, uint32(step[0] + r)); pick the first kept candidate whose
+//    running sum exceeds u * (kept mass), else the last kept. step[0] += R.
+//
+// Exactness. p is computed as the CPU does (float(exp((x - max) / T) / double total)), with a
+// correctly rounded division and exp (--use_fast_math would otherwise make both approximate). Cumulative sums are exact integers: every p is taken in 2^-52 fixed point
+// (exact for p >= 2^-29, and the CPU's double running sum is exact there too), so sums do not depend
+// on the order of additions and the result is deterministic.
+//
+// Order keys. key = ((0x3FFFFFFF - bits(p)) << IB) | index (IB = bits of V - 1): ascending keys are
+// exactly the candidate order. Keys are radix-selected 12 bits at a time.
+//
+// Kernels (grid NB blocks x R rows for the passes over V, one block per row to decide):
+//  1 max_kernel      block max / first argmax of the raw logits; zeroes the histograms.
+//    greedy: greedy_kernel reduces the block results to the token.
+//  2 exp_kernel      q = exp((x - max) / T) into the workspace, block sums (double); u of the row.
+//  3 hist_kernel     p = q / total; histogram of the top 12 key bits (counts, fixed-point sums).
+//  4 compact_kernel  finds the bin where the top_k / top_p cut falls; if the candidates up to and
+//                    including it are at most kCap, appends them (unordered) to a list.
+//  5 select_kernel   fast path: sorts the list and resolves cut and draw exactly. Otherwise (flat
+//                    distributions with large top_k / top_p, or plain temperature sampling) a radix
+//                    descent over the workspace in one block, 12 bits per level.
+#include <algorithm>
+#include <climits>
+#include <cmath>
+
+#include "ops/cuda/backend.cuh"
+#include "ops/sampling_rng.h"
+
+namespace ocria_rt {
+namespace cuda {
+namespace {
+
+using u64 = unsigned long long;
+
+constexpr int kDigitBits = 12;
+constexpr int kBins = 1 << kDigitBits;
+constexpr int kCap = 8192;          // candidates one block sorts
+constexpr int kPassThreads = 512;   // kernels 1-4
+constexpr int kSelectThreads = 1024;
+constexpr double kFix = 4503599627370496.0;  // 2^52
+
+struct KeyFormat {
+  int ib;      // index bits
+  int pad;     // left shift that makes the key a whole number of digits
+  int levels;  // digits per key
+  int kbp;     // padded key bits = levels * 12
+};
+
+KeyFormat key_format(int64_t V) {
+  int ib = 1;
+  while ((int64_t(1) << ib) < V) ++ib;
+  const int kb = 30 + ib;
+  KeyFormat f;
+  f.ib = ib;
+  f.levels = (kb + kDigitBits - 1) / kDigitBits;
+  f.kbp = f.levels * kDigitBits;
+  f.pad = f.kbp - kb;
+  return f;
+}
+
+__device__ __forceinline__ u64 make_key(float p, int idx, int ib) {
+  return (u64(0x3FFFFFFFu - __float_as_uint(p)) << ib) | u64(idx);
+}
+__device__ __forceinline__ float key_prob(u64 key, int ib) { return __uint_as_float(0x3FFFFFFFu - uint32_t(key >> ib)); }
+__device__ __forceinline__ u64 fixed(float p) { return __double2ull_rn(double(p) * kFix); }
+// Digit `level` (0 = most significant) of the padded key.
+__device__ __forceinline__ int key_digit(u64 key, const KeyFormat& f, int level) {
+  return int(((key << f.pad) >> (f.kbp - kDigitBits * (level + 1))) & (kBins - 1));
+}
+
+// exp(x) correctly rounded to float (up to double-rounding cases of probability ~1e-9): through
+// the double-precision exp, which --use_fast_math leaves alone (a polynomial in float was 1 ulp off
+// for ~6% of inputs, enough to reorder near-equal candidates against the CPU's expf).
+__device__ __forceinline__ float exp_accurate(float x) { return __double2float_rn(exp(double(x))); }
+
+// The workspace of one group of rows.
+struct SampleWs {
+  float* pmax;     // [R][NB]
+  int* parg;       // [R][NB]
+  double* psum;    // [R][NB]
+  float* prob;     // [R][V]: q, then p
+  uint32_t* hcnt;  // [R][kBins]
+  u64* hsum;       // [R][kBins]
+  uint32_t* ncand; // [R]
+  u64* cand;       // [R][kCap]
+  float* u;        // [R]
+};
+
+size_t align256(size_t x) { return (x + 255) & ~size_t(255); }
+
+size_t ws_bytes_per_row(int64_t V, int NB) {
+  return align256(NB * 4) + align256(NB * 4) + align256(NB * 8) + align256(V * 4) + align256(kBins * 4) +
+         align256(kBins * 8) + align256(4) + align256(kCap * 8) + align256(4);
+}
+
+SampleWs carve(void* base, int64_t R, int64_t V, int NB) {
+  char* p = static_cast<char*>(base);
+  auto take = [&](size_t bytes) {
+    char* q = p;
+    p += align256(bytes);
+    return q;
+  };
+  SampleWs w;
+  w.pmax = reinterpret_cast<float*>(take(R * NB * 4));
+  w.parg = reinterpret_cast<int*>(take(R * NB * 4));
+  w.psum = reinterpret_cast<double*>(take(R * NB * 8));
+  w.prob = reinterpret_cast<float*>(take(R * V * 4));
+  w.hcnt = reinterpret_cast<uint32_t*>(take(R * kBins * 4));
+  w.hsum = reinterpret_cast<u64*>(take(R * kBins * 8));
+  w.ncand = reinterpret_cast<uint32_t*>(take(R * 4));
+  w.cand = reinterpret_cast<u64*>(take(R * kCap * 8));
+  w.u = reinterpret_cast<float*>(take(R * 4));
+  return w;
+}
+
+// ---- block-wide helpers ----
+
+// (value, index) max with the lowest index on ties; NaN never wins.
+__device__ __forceinline__ void argmax_merge(float& v, int& i, float v2, int i2) {
+  if (v2 > v || (v2 == v && i2 < i)) {
+    v = v2;
+    i = i2;
+  }
+}
+
+__device__ void block_argmax(float& v, int& i) {
+  __shared__ float sv[32];
+  __shared__ int si[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) argmax_merge(v, i, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, i, o));
+  __syncthreads();
+  if (lane == 0) {
+    sv[warp] = v;
+    si[warp] = i;
+  }
+  __syncthreads();
+  v = lane < nw ? sv[lane] : -INFINITY;
+  i = lane < nw ? si[lane] : INT_MAX;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) argmax_merge(v, i, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, i, o));
+}
+
+__device__ double block_sum_double(double v) {
+  __shared__ double s[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  __syncthreads();
+  if (lane == 0) s[warp] = v;
+  __syncthreads();
+  v = 0.0;
+  if (warp == 0) {  // fixed order: deterministic
+    v = lane < nw ? s[lane] : 0.0;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  }
+  return v;  // valid in thread 0
+}
+
+// Exclusive prefix sums over the block of one (count, sum) pair per thread; also the totals.
+__device__ void block_scan2(uint32_t c, u64 s, uint32_t& c_excl, u64& s_excl, uint32_t& c_tot, u64& s_tot) {
+  __shared__ uint32_t wc[32];
+  __shared__ u64 wsum[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  uint32_t ci = c;
+  u64 si = s;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const uint32_t c2 = __shfl_up_sync(0xffffffffu, ci, o);
+    const u64 s2 = __shfl_up_sync(0xffffffffu, si, o);
+    if (lane >= o) {
+      ci += c2;
+      si += s2;
+    }
+  }
+  __syncthreads();
+  if (lane == 31) {
+    wc[warp] = ci;
+    wsum[warp] = si;
+  }
+  __syncthreads();
+  uint32_t cb = 0, ct = 0;
+  u64 sb = 0, st = 0;
+  for (int w = 0; w < nw; ++w) {
+    if (w < warp) {
+      cb += wc[w];
+      sb += wsum[w];
+    }
+    ct += wc[w];
+    st += wsum[w];
+  }
+  c_excl = cb + ci - c;
+  s_excl = sb + si - s;
+  c_tot = ct;
+  s_tot = st;
+}
+
+// Predicates of a running (count, sum) at a position of the order.
+enum : int { kCountGE = 0, kSumGE = 1, kSumGT = 2 };
+__device__ __forceinline__ bool pred_holds(int mode, u64 thr, u64 cnt, u64 sum) {
+  return mode == kCountGE ? cnt >= thr : mode == kSumGE ? sum >= thr : sum > thr;
+}
+
+// First bin (ascending) of a kBins histogram in shared memory where pred(base + inclusive prefix)
+// holds; -1 if none. Also returns the exclusive prefix of that bin. blockDim.x divides kBins.
+__device__ int first_bin(const uint32_t* cnt, const u64* sum, int mode, u64 thr, u64 base_cnt, u64 base_sum,
+                         u64& excl_cnt, u64& excl_sum) {
+  __shared__ int found;
+  __shared__ u64 f_cnt, f_sum;
+  const int per = kBins / blockDim.x, b0 = threadIdx.x * per;
+  uint32_t c = 0;
+  u64 s = 0;
+  for (int b = b0; b < b0 + per; ++b) {
+    c += cnt[b];
+    s += sum[b];
+  }
+  uint32_t ce, ct;
+  u64 se, st;
+  block_scan2(c, s, ce, se, ct, st);
+  if (threadIdx.x == 0) found = INT_MAX;
+  __syncthreads();
+  u64 rc = base_cnt + ce, rs = base_sum + se;
+  for (int b = b0; b < b0 + per; ++b) {
+    if (pred_holds(mode, thr, rc + cnt[b], rs + sum[b])) {
+      atomicMin(&found, b);
+      break;
+    }
+    rc += cnt[b];
+    rs += sum[b];
+  }
+  __syncthreads();
+  const int fb = found;
+  if (fb != INT_MAX && fb >= b0 && fb < b0 + per) {  // the owner of the bin reports its prefix
+    u64 pc = base_cnt + ce, ps = base_sum + se;
+    for (int b = b0; b < fb; ++b) {
+      pc += cnt[b];
+      ps += sum[b];
+    }
+    f_cnt = pc;
+    f_sum = ps;
+  }
+  __syncthreads();
+  excl_cnt = f_cnt;
+  excl_sum = f_sum;
+  __syncthreads();
+  return fb == INT_MAX ? -1 : fb;
+}
+
+// Ascending bitonic sort of keys[0, n) in shared memory (n <= kCap), padding with ~0.
+__device__ void bitonic_sort(u64* keys, int n) {
+  int N = 2;
+  while (N < n) N <<= 1;
+  for (int i = n + threadIdx.x; i < N; i += blockDim.x) keys[i] = ~0ull;
+  __syncthreads();
+  for (int k = 2; k <= N; k <<= 1) {
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      for (int i = threadIdx.x; i < N; i += blockDim.x) {
+        const int ixj = i ^ j;
+        if (ixj > i) {
+          const u64 a = keys[i], b = keys[ixj];
+          if ((a > b) == ((i & k) == 0)) {
+            keys[i] = b;
+            keys[ixj] = a;
+          }
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+
+// Inclusive fixed-point prefix sums of the sorted keys[0, n) into cum[0, n), starting at base.
+__device__ void prefix_sums(const u64* keys, u64* cum, int n, u64 base, int ib) {
+  const int per = (n + blockDim.x - 1) / blockDim.x, i0 = threadIdx.x * per, i1 = min(n, i0 + per);
+  u64 s = 0;
+  for (int i = i0; i < i1; ++i) s += fixed(key_prob(keys[i], ib));
+  uint32_t ce, ct;
+  u64 se, st;
+  block_scan2(0, s, ce, se, ct, st);
+  u64 run = base + se;
+  for (int i = i0; i < i1; ++i) {
+    run += fixed(key_prob(keys[i], ib));
+    cum[i] = run;
+  }
+  __syncthreads();
+}
+
+// First position i < n of sorted candidates (global rank base_cnt + i + 1, running sum cum[i]) where
+// pred holds; n if none.
+__device__ int first_position(const u64* cum, int n, int mode, u64 thr, u64 base_cnt) {
+  __shared__ int found;
+  if (threadIdx.x == 0) found = n;
+  __syncthreads();
+  for (int i = threadIdx.x; i < n; i += blockDim.x)
+    if (pred_holds(mode, thr, base_cnt + i + 1, cum[i])) atomicMin(&found, i);
+  __syncthreads();
+  const int f = found;
+  __syncthreads();
+  return f;
+}
+
+// ---- kernels ----
+
+template <class T>
+__global__ void __launch_bounds__(kPassThreads)
+    max_kernel(const T* __restrict__ logits, int64_t ldl, int V, int chunk, SampleWs ws, int NB, bool zero_hist) {
+  const int r = blockIdx.y, b = blockIdx.x;
+  const T* x = logits + int64_t(r) * ldl;
+  const int lo = b * chunk, hi = min(V, lo + chunk);
+  float v = -INFINITY;
+  int idx = INT_MAX;
+  for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) argmax_merge(v, idx, to_float(x[i]), i);
+  block_argmax(v, idx);
+  if (threadIdx.x == 0) {
+    ws.pmax[r * NB + b] = v;
+    ws.parg[r * NB + b] = idx;
+    if (b == 0 && zero_hist) ws.ncand[r] = 0;
+  }
+  if (zero_hist) {
+    const int per = (kBins + NB - 1) / NB;
+    for (int i = b * per + threadIdx.x; i < min(kBins, (b + 1) * per); i += blockDim.x) {
+      ws.hcnt[int64_t(r) * kBins + i] = 0;
+      ws.hsum[int64_t(r) * kBins + i] = 0;
+    }
+  }
+}
+
+__global__ void greedy_kernel(SampleWs ws, int NB, int32_t* __restrict__ tokens, int32_t* __restrict__ step, int R) {
+  const int r = blockIdx.x;
+  float v = -INFINITY;
+  int idx = INT_MAX;
+  for (int b = threadIdx.x; b < NB; b += 32) argmax_merge(v, idx, ws.pmax[r * NB + b], ws.parg[r * NB + b]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) argmax_merge(v, idx, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, idx, o));
+  if (threadIdx.x == 0) {
+    tokens[r] = idx == INT_MAX ? 0 : idx;  // all-NaN row: 0
+    if (r == 0) step[0] += R;               // nothing else reads step in greedy mode
+  }
+}
+
+__device__ __forceinline__ float row_max(const SampleWs& ws, int r, int NB) {
+  float m = -INFINITY;
+  for (int b = 0; b < NB; ++b) m = fmaxf(m, ws.pmax[r * NB + b]);
+  return m;
+}
+
+template <class T>
+__global__ void __launch_bounds__(kPassThreads)
+    exp_kernel(const T* __restrict__ logits, int64_t ldl, int V, int chunk, SampleWs ws, int NB, float temperature,
+               uint64_t seed, const int32_t* __restrict__ step) {
+  __shared__ float s_max;
+  const int r = blockIdx.y, b = blockIdx.x;
+  if (threadIdx.x == 0) s_max = row_max(ws, r, NB);
+  __syncthreads();
+  const float mx = s_max;
+  const T* x = logits + int64_t(r) * ldl;
+  float* q = ws.prob + int64_t(r) * V;
+  const int lo = b * chunk, hi = min(V, lo + chunk);
+  double s = 0.0;
+  for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+    const float e = exp_accurate(__fdiv_rn(to_float(x[i]) - mx, temperature));
+    q[i] = e;
+    s += double(e);
+  }
+  s = block_sum_double(s);
+  if (threadIdx.x == 0) {
+    ws.psum[r * NB + b] = s;
+    if (b == 0) ws.u[r] = uniform_hash(seed, uint64_t(uint32_t(step[0] + r)));
+  }
+}
+
+__global__ void __launch_bounds__(kPassThreads)
+    hist_kernel(int V, int chunk, SampleWs ws, int NB, KeyFormat f) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  u64* hs = reinterpret_cast<u64*>(smem);
+  uint32_t* hc = reinterpret_cast<uint32_t*>(hs + kBins);
+  __shared__ double s_total;
+  const int r = blockIdx.y, b = blockIdx.x;
+  for (int i = threadIdx.x; i < kBins; i += blockDim.x) {
+    hs[i] = 0;
+    hc[i] = 0;
+  }
+  if (threadIdx.x == 0) {
+    double t = 0.0;
+    for (int i = 0; i < NB; ++i) t += ws.psum[r * NB + i];  // same order in every block
+    s_total = t;
+  }
+  __syncthreads();
+  const double total = s_total;
+  float* p = ws.prob + int64_t(r) * V;
+  const int lo = b * chunk, hi = min(V, lo + chunk);
+  for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+    const float pi = __double2float_rn(__ddiv_rn(double(p[i]), total));
+    p[i] = pi;
+    const int d = key_digit(make_key(pi, i, f.ib), f, 0);
+    atomicAdd(&hc[d], 1u);
+    atomicAdd(&hs[d], fixed(pi));
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < kBins; i += blockDim.x) {
+    if (hc[i]) {
+      atomicAdd(&ws.hcnt[int64_t(r) * kBins + i], hc[i]);
+      atomicAdd(&ws.hsum[int64_t(r) * kBins + i], hs[i]);
+    }
+  }
+}
+
+// The bin of the first-level histogram where the top_k / top_p cut falls (kBins - 1 without a cut),
+// and the number of candidates up to and including it. Shared by compact_kernel and select_kernel.
+__device__ int cut_bin(const uint32_t* hc, const u64* hs, int V, int top_k, u64 thr_p, bool use_p, u64& n_through) {
+  u64 ec, es;
+  int bk = INT_MAX, bp = INT_MAX;
+  if (top_k > 0 && top_k < V) {
+    const int fb = first_bin(hc, hs, kCountGE, u64(top_k), 0, 0, ec, es);
+    if (fb >= 0) bk = fb;
+  }
+  if (use_p) {
+    const int fb = first_bin(hc, hs, kSumGE, thr_p, 0, 0, ec, es);
+    if (fb >= 0) bp = fb;
+  }
+  int cb = min(bk, bp);
+  if (cb == INT_MAX) cb = kBins - 1;
+  // Candidates through the cut bin: count of bins [0, cb] (first_bin with "count >= V" semantics
+  // would need another scan; a direct block sum is as cheap).
+  __shared__ u64 s_n;
+  if (threadIdx.x == 0) s_n = 0;
+  __syncthreads();
+  u64 c = 0;
+  for (int i = threadIdx.x; i <= cb; i += blockDim.x) c += hc[i];
+  atomicAdd(&s_n, c);
+  __syncthreads();
+  n_through = s_n;
+  __syncthreads();
+  return cb;
+}
+
+__global__ void __launch_bounds__(kPassThreads)
+    compact_kernel(int V, int chunk, SampleWs ws, KeyFormat f, int top_k, u64 thr_p, bool use_p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  u64* hs = reinterpret_cast<u64*>(smem);
+  uint32_t* hc = reinterpret_cast<uint32_t*>(hs + kBins);
+  const int r = blockIdx.y, b = blockIdx.x;
+  for (int i = threadIdx.x; i < kBins; i += blockDim.x) {
+    hc[i] = ws.hcnt[int64_t(r) * kBins + i];
+    hs[i] = ws.hsum[int64_t(r) * kBins + i];
+  }
+  __syncthreads();
+  u64 n;
+  const int cb = cut_bin(hc, hs, V, top_k, thr_p, use_p, n);
+  if (n > u64(kCap)) return;  // select_kernel takes the slow path
+  const float* p = ws.prob + int64_t(r) * V;
+  const int lo = b * chunk, hi = min(V, lo + chunk);
+  for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+    const u64 key = make_key(p[i], i, f.ib);
+    if (key_digit(key, f, 0) <= cb) ws.cand[int64_t(r) * kCap + atomicAdd(&ws.ncand[r], 1u)] = key;
+  }
+}
+
+struct Found {
+  u64 key;
+  u64 cnt;  // rank of key (1-based)
+  u64 sum;  // running sum through key
+  bool ok;
+};
+
+// Radix descent in one block over the p of row r: the first key (ascending) whose running
+// (rank, sum) satisfies pred. hc / hs hold the first-level histogram on entry and are clobbered.
+__device__ Found find_first(const float* __restrict__ p, int V, const KeyFormat& f, uint32_t* hc, u64* hs,
+                            u64* keys, u64* cum, const uint32_t* h0c, const u64* h0s, int mode, u64 thr) {
+  __shared__ uint32_t n_members;
+  u64 prefix = 0, base_cnt = 0, base_sum = 0;
+  for (int level = 0; level < f.levels; ++level) {
+    if (level == 0) {
+      for (int i = threadIdx.x; i < kBins; i += blockDim.x) {
+        hc[i] = h0c[i];
+        hs[i] = h0s[i];
+      }
+    } else {
+      for (int i = threadIdx.x; i < kBins; i += blockDim.x) {
+        hc[i] = 0;
+        hs[i] = 0;
+      }
+      __syncthreads();
+      const int shift = f.kbp - kDigitBits * level;
+      for (int i = threadIdx.x; i < V; i += blockDim.x) {
+        const u64 key = make_key(p[i], i, f.ib);
+        if (((key << f.pad) >> shift) == prefix) {
+          const int d = key_digit(key, f, level);
+          atomicAdd(&hc[d], 1u);
+          atomicAdd(&hs[d], fixed(p[i]));
+        }
+      }
+    }
+    __syncthreads();
+    u64 ec, es;
+    const int bin = first_bin(hc, hs, mode, thr, base_cnt, base_sum, ec, es);
+    if (bin < 0) return Found{0, 0, 0, false};
+    const uint32_t members = hc[bin];
+    prefix = (prefix << kDigitBits) | u64(bin);
+    base_cnt = ec;
+    base_sum = es;
+    __syncthreads();
+    if (members <= uint32_t(kCap) || level == f.levels - 1) {
+      // Gather the bin's members, order them, and finish exactly.
+      if (threadIdx.x == 0) n_members = 0;
+      __syncthreads();
+      const int shift = f.kbp - kDigitBits * (level + 1);
+      for (int i = threadIdx.x; i < V; i += blockDim.x) {
+        const u64 key = make_key(p[i], i, f.ib);
+        if (((key << f.pad) >> shift) == prefix) keys[atomicAdd(&n_members, 1u)] = key;
+      }
+      __syncthreads();
+      const int n = int(n_members);
+      bitonic_sort(keys, n);
+      prefix_sums(keys, cum, n, base_sum, f.ib);
+      const int pos = first_position(cum, n, mode, thr, base_cnt);
+      if (pos >= n) return Found{0, 0, 0, false};  // cannot happen: the bin satisfied pred
+      return Found{keys[pos], base_cnt + pos + 1, cum[pos], true};
+    }
+  }
+  return Found{0, 0, 0, false};
+}
+
+// target = floor(mass * u24 / 2^24), exactly (mass < 2^54).
+__device__ __forceinline__ u64 draw_target(u64 mass, float u) {
+  const u64 m = u64(u * 16777216.0f);
+  const u64 lo = mass * m, hi = __umul64hi(mass, m);
+  return (hi << 40) | (lo >> 24);
+}
+
+__global__ void __launch_bounds__(kSelectThreads)
+    select_kernel(int V, SampleWs ws, KeyFormat f, int top_k, u64 thr_p, bool use_p, int32_t* __restrict__ tokens,
+                  int32_t* __restrict__ step, int R) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  u64* keys = reinterpret_cast<u64*>(smem);  // [kCap]
+  u64* cum = keys + kCap;                     // [kCap]
+  u64* hs = cum + kCap;                       // [kBins]
+  uint32_t* hc = reinterpret_cast<uint32_t*>(hs + kBins);
+  const int r = blockIdx.x;
+  const uint32_t* h0c = ws.hcnt + int64_t(r) * kBins;
+  const u64* h0s = ws.hsum + int64_t(r) * kBins;
+  const float u = ws.u[r];
+  const u64 k_eff = top_k > 0 ? u64(min(top_k, V)) : u64(V);
+  for (int i = threadIdx.x; i < kBins; i += blockDim.x) {
+    hc[i] = h0c[i];
+    hs[i] = h0s[i];
+  }
+  __syncthreads();
+  u64 n_through;
+  cut_bin(hc, hs, V, top_k, thr_p, use_p, n_through);
+  int token;
+  if (n_through <= u64(kCap)) {
+    // Fast path: the candidates [0, n) are a prefix of the order (compact_kernel gathered them).
+    const int n = int(ws.ncand[r]);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) keys[i] = ws.cand[int64_t(r) * kCap + i];
+    __syncthreads();
+    bitonic_sort(keys, n);
+    prefix_sums(keys, cum, n, 0, f.ib);
+    int L = int(min(k_eff, u64(n)));
+    if (use_p) L = min(L, first_position(cum, n, kSumGE, thr_p, 0) + 1);
+    const u64 target = draw_target(cum[L - 1], u);
+    const int pick = min(first_position(cum, L, kSumGT, target, 0), L - 1);
+    token = int(keys[pick] & ((u64(1) << f.ib) - 1));
+  } else {
+    // Slow path: radix descents over the whole row.
+    const float* p = ws.prob + int64_t(r) * V;
+    Found cut{0, u64(V), 0, false};
+    if (top_k > 0 && k_eff < u64(V)) cut = find_first(p, V, f, hc, hs, keys, cum, h0c, h0s, kCountGE, k_eff);
+    if (use_p) {
+      const Found fp = find_first(p, V, f, hc, hs, keys, cum, h0c, h0s, kSumGE, thr_p);
+      if (fp.ok && (!cut.ok || fp.key < cut.key)) cut = fp;
+    }
+    u64 mass = cut.sum;
+    if (!cut.ok) {  // no cut: everything is kept
+      __shared__ u64 s_mass;
+      if (threadIdx.x == 0) s_mass = 0;
+      __syncthreads();
+      u64 s = 0;
+      for (int i = threadIdx.x; i < kBins; i += blockDim.x) s += h0s[i];
+      atomicAdd(&s_mass, s);
+      __syncthreads();
+      mass = s_mass;
+      cut.cnt = u64(V);
+    }
+    const Found pk = find_first(p, V, f, hc, hs, keys, cum, h0c, h0s, kSumGT, draw_target(mass, u));
+    u64 key;
+    if (pk.ok && pk.cnt <= cut.cnt) {
+      key = pk.key;
+    } else {  // the last kept candidate
+      key = find_first(p, V, f, hc, hs, keys, cum, h0c, h0s, kCountGE, cut.cnt).key;
+    }
+    token = int(key & ((u64(1) << f.ib) - 1));
+  }
+  if (threadIdx.x == 0) {
+    tokens[r] = token;
+    if (r == 0) step[0] += R;  // every row read step in exp_kernel, which has finished
+  }
+}
+
+template <class T>
+void launch_sample(const T* logits, int64_t ldl, int R, int V, const SamplerConfig& cfg, int32_t* step,
+                   int32_t* tokens, void* workspace, int NB, cudaStream_t s) {
+  const int chunk = (V + NB - 1) / NB;
+  SampleWs ws = carve(workspace, R, V, NB);
+  const bool greedy = !(cfg.temperature > 0.0f);
+  max_kernel<T><<<dim3(NB, R), kPassThreads, 0, s>>>(logits, ldl, V, chunk, ws, NB, !greedy);
+  check_launch("sample max_kernel");
+  if (greedy) {
+    greedy_kernel<<<R, 32, 0, s>>>(ws, NB, tokens, step, R);
+    check_launch("sample greedy_kernel");
+    return;
+  }
+  const KeyFormat f = key_format(V);
+  const bool use_p = cfg.top_p < 1.0f;
+  const u64 thr_p = use_p ? u64(std::ceil(double(cfg.top_p) * kFix)) : 0;
+  exp_kernel<T><<<dim3(NB, R), kPassThreads, 0, s>>>(logits, ldl, V, chunk, ws, NB, cfg.temperature, cfg.seed, step);
+  check_launch("sample exp_kernel");
+
+  constexpr int hist_smem = kBins * (8 + 4);
+  static const cudaError_t a1 = cudaFuncSetAttribute(hist_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, hist_smem);
+  static const cudaError_t a2 =
+      cudaFuncSetAttribute(compact_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, hist_smem);
+  constexpr int select_smem = 2 * kCap * 8 + kBins * (8 + 4);
+  static const cudaError_t a3 =
+      cudaFuncSetAttribute(select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, select_smem);
+  check_cuda(a1, "cudaFuncSetAttribute (sample hist_kernel)");
+  check_cuda(a2, "cudaFuncSetAttribute (sample compact_kernel)");
+  check_cuda(a3, "cudaFuncSetAttribute (sample select_kernel)");
+
+  hist_kernel<<<dim3(NB, R), kPassThreads, hist_smem, s>>>(V, chunk, ws, NB, f);
+  check_launch("sample hist_kernel");
+  compact_kernel<<<dim3(NB, R), kPassThreads, hist_smem, s>>>(V, chunk, ws, f, cfg.top_k, thr_p, use_p);
+  check_launch("sample compact_kernel");
+  select_kernel<<<R, kSelectThreads, select_smem, s>>>(V, ws, f, cfg.top_k, thr_p, use_p, tokens, step, R);
+  check_launch("sample select_kernel");
+}
+
+}  // namespace
+}  // namespace cuda
+
+void CudaBackend::sample(const Tensor& logits, const SamplerConfig& config, const Tensor& step, const Tensor& tokens) {
+  using namespace cuda;
+  const char* op = "sample";
+  require_float(logits, op, "logits");
+  require_tensor(step, DType::I32, op, "step");
+  require_tensor(tokens, DType::I32, op, "tokens");
+  const int64_t R = logits.ndim == 1 ? 1 : logits.dim(0), V = logits.dim(-1);
+  const int64_t ldl = logits.ndim == 1 ? V : logits.row_stride;
+  require(logits.ndim == 1 || logits.ndim == 2, op, "logits must be [R, V] or [V]");
+  require(tokens.numel() == R, op, "tokens must have R elements");
+  require(V > 0 && V <= (int64_t(1) << 30), op, "vocabulary size " + std::to_string(V) + " out of range");
+  require(!(config.temperature > 0.0f) || (config.top_p > 0.0f), op, "top_p must be > 0");
+  if (R == 0) return;
+  activate();
+  const int NB = int(std::clamp<int64_t>((V + 4095) / 4096, 1, 128));
+  const size_t per_row = ws_bytes_per_row(V, NB);
+  const int64_t rows_per_group = int64_t(workspace_bytes_ / per_row);
+  require(rows_per_group >= 1, op, "workspace too small for one row of " + std::to_string(V) +
+                                       " logits: call reserve_workspace()");
+  for (int64_t r0 = 0; r0 < R; r0 += rows_per_group) {
+    // Each group advances step by its row count, so the next group's draws continue the sequence.
+    const int rg = int(std::min<int64_t>(rows_per_group, R - r0));
+    require(rg <= 65535, op, "too many rows");
+    if (logits.dtype == DType::BF16)
+      launch_sample<bf16>(logits.ptr<const bf16>() + r0 * ldl, ldl, rg, int(V), config, step.ptr<int32_t>(),
+                          tokens.ptr<int32_t>() + r0, workspace_, NB, stream_);
+    else
+      launch_sample<float>(logits.ptr<const float>() + r0 * ldl, ldl, rg, int(V), config, step.ptr<int32_t>(),
+                           tokens.ptr<int32_t>() + r0, workspace_, NB, stream_);
+  }
+}
+
+}  // namespace ocria_rt

@@ -1,0 +1,245 @@
+"""Every CUDA op against the CPU backend, op by op (llama.cpp test-backend-ops style).
+
+Fresh random inputs per case, several shapes including odd ones that take the fallback paths
+(K or strides not a multiple of 8, GQA groups that are not a power of two, T = 1, 3, 16, 100, long
+contexts). Inputs are rounded to BF16 first, so both backends see the same numbers and the
+tolerances measure the kernels (BF16 outputs, fp32 accumulation), not the input rounding. Outputs
+are poisoned with NaN by OpRunner before each op, and relerr() fails on any NaN left behind.
+Skipped (by tests/conftest.py) where ocria_rt has no CUDA support or no GPU is visible.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from support import relerr
+from ocria_rt import _core
+
+pytestmark = pytest.mark.gpu
+
+OUT_TOL = 1e-2  # a BF16 output against the fp32 reference
+STATE_TOL = 2e-3  # fp32 state through BF16 inputs
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    return _core.OpRunner("cpu")
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    return _core.OpRunner("cuda")
+
+
+def bf16(a: np.ndarray) -> np.ndarray:
+    """Round float32 values to the nearest BF16 (ties to even), kept as float32."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.astype(np.uint32).view(np.float32)
+
+
+def randn(rng, *shape, scale=1.0):
+    return bf16((rng.standard_normal(shape) * scale).astype(np.float32))
+
+
+# ---- linear: skinny GEMM (M <= 16), CUTLASS (M > 16), fallback (K % 8 != 0) ----
+
+LINEAR_SHAPES = [
+    (1, 64, 96), (1, 2560, 2560), (2, 4096, 200), (3, 33, 17), (4, 1000, 300), (8, 264, 1000), (9, 512, 31),
+    (16, 128, 250), (16, 2560, 1040), (17, 256, 136), (70, 257, 31), (100, 512, 1000), (256, 2560, 512),
+    (300, 100, 77),
+]
+
+
+@pytest.mark.parametrize("M,K,N", LINEAR_SHAPES)
+def test_linear(cpu, gpu, M, K, N):
+    rng = np.random.default_rng(M * 7919 + K * 31 + N)
+    x, w = randn(rng, M, K), randn(rng, N, K, scale=K**-0.5)
+    assert relerr(gpu.linear(x, w), cpu.linear(x, w)) <= OUT_TOL
+
+
+def test_embedding(cpu, gpu):
+    rng = np.random.default_rng(1)
+    for V, D, T in [(50, 24, 13), (1000, 2560, 5), (77, 33, 1)]:
+        table = randn(rng, V, D)
+        ids = rng.integers(0, V, T).astype(np.int32)
+        np.testing.assert_array_equal(gpu.embedding(table, ids), cpu.embedding(table, ids))
+
+
+@pytest.mark.parametrize("R,D", [(1, 2560), (5, 37), (33, 256), (3, 4096), (100, 1024)])
+def test_norms(cpu, gpu, R, D):
+    rng = np.random.default_rng(R + D)
+    x, d, w = randn(rng, R, D, scale=3), randn(rng, R, D), randn(rng, D, scale=0.1)
+    assert relerr(gpu.rms_norm(x, w, 1e-6), cpu.rms_norm(x, w, 1e-6)) <= OUT_TOL
+    gres, gout = gpu.add_rms_norm(x, d, w, 1e-6)
+    cres, cout = cpu.add_rms_norm(x, d, w, 1e-6)
+    assert relerr(gres, cres) <= OUT_TOL
+    assert relerr(gout, cout) <= OUT_TOL
+
+
+@pytest.mark.parametrize("T,I", [(7, 45), (1, 9216), (16, 9216), (100, 512)])
+def test_silu_mul(cpu, gpu, T, I):
+    rng = np.random.default_rng(T + I)
+    gu = randn(rng, T, 2 * I, scale=2)
+    assert relerr(gpu.silu_mul(gu), cpu.silu_mul(gu)) <= OUT_TOL
+
+
+# ---- attention: prepare (norms, RoPE, cache write) and split-K decode / simple prefill ----
+
+ATTN_CASES = [
+    # hq, hkv, hd, rot, T, start, M-RoPE section
+    (16, 4, 256, 64, 1, 0, ()),
+    (16, 4, 256, 64, 1, 1000, ()),
+    (16, 4, 256, 64, 3, 5, ()),
+    (16, 4, 256, 64, 16, 300, ()),
+    (16, 4, 256, 64, 9, 40, (11, 11, 10)),  # vision tokens: distinct (t, h, w) rotary positions
+    (8, 2, 128, 32, 100, 0, ()),
+    (6, 2, 128, 32, 4, 70, ()),  # GQA group of 3
+    (4, 4, 64, 16, 2, 9000, ()),  # no GQA, long context
+    (8, 1, 64, 64, 1, 4097, ()),  # group of 8, full rotation
+]
+
+
+@pytest.mark.parametrize("hq,hkv,hd,rot,T,start,section", ATTN_CASES)
+def test_attention(cpu, gpu, hq, hkv, hd, rot, T, start, section):
+    rng = np.random.default_rng(hq * hd + T + start)
+    ctx = start + T + 4
+    qkv = randn(rng, T, (2 * hq + 2 * hkv) * hd)
+    qn, kn = randn(rng, hd, scale=0.1), randn(rng, hd, scale=0.1)
+    k_cache, v_cache = randn(rng, ctx, hkv, hd), randn(rng, ctx, hkv, hd)
+    pos = np.arange(start, start + T, dtype=np.int32)
+    rope_pos = np.repeat(pos[:, None], 3, 1) if not section else rng.integers(0, 5000, (T, 3)).astype(np.int32)
+    args = (qkv, qn, kn, pos, rope_pos, k_cache, v_cache, hq, hkv, hd, rot, 1e7, 1e-6, list(section))
+    gq, gk, gv = gpu.attention_prepare(*args)
+    cq, ck, cv = cpu.attention_prepare(*args)
+    assert relerr(gq, cq) <= OUT_TOL
+    assert relerr(gk[pos], ck[pos]) <= OUT_TOL
+    np.testing.assert_array_equal(gv[pos], cv[pos])
+    untouched = np.setdiff1d(np.arange(ctx), pos)
+    np.testing.assert_array_equal(gk[untouched], k_cache[untouched])
+    np.testing.assert_array_equal(gv[untouched], v_cache[untouched])
+    # attention itself on identical (BF16) inputs
+    q, kc, vc = bf16(cq), bf16(ck), bf16(cv)
+    assert relerr(gpu.attention(q, kc, vc, qkv, pos, hq, hkv, hd), cpu.attention(q, kc, vc, qkv, pos, hq, hkv, hd)) <= OUT_TOL
+
+
+def test_attention_positions_not_contiguous(cpu, gpu):
+    """Each token attends over its own prefix (0..positions[t]), whatever the others do."""
+    rng = np.random.default_rng(11)
+    hq, hkv, hd, T, ctx = 16, 4, 256, 5, 3000
+    qkv = randn(rng, T, (2 * hq + 2 * hkv) * hd)
+    q = randn(rng, T, hq, hd)
+    kc, vc = randn(rng, ctx, hkv, hd), randn(rng, ctx, hkv, hd)
+    pos = np.array([0, 2999, 17, 1024, 63], dtype=np.int32)
+    assert relerr(gpu.attention(q, kc, vc, qkv, pos, hq, hkv, hd), cpu.attention(q, kc, vc, qkv, pos, hq, hkv, hd)) <= OUT_TOL
+
+
+# ---- Gated DeltaNet ----
+
+
+@pytest.mark.parametrize("T,C", [(1, 48), (2, 160), (6, 160), (70, 33), (130, 8192)])
+def test_gdn_conv(cpu, gpu, T, C):
+    rng = np.random.default_rng(T + C)
+    x, w, state = randn(rng, T, C), randn(rng, C, 4, scale=0.3), randn(rng, C, 3)
+    gout, gstate = gpu.gdn_conv(x, w, state)
+    cout, cstate = cpu.gdn_conv(x, w, state)
+    assert relerr(gout, cout) <= OUT_TOL
+    assert relerr(gstate, cstate) <= 1e-6  # the state is a copy of (BF16) inputs
+
+
+GDN_CASES = [
+    # hk, hv, dk, dv, T
+    (16, 32, 128, 128, 1),
+    (16, 32, 128, 128, 16),
+    (4, 8, 128, 128, 3),
+    (2, 4, 64, 64, 1),
+    (2, 4, 128, 64, 100),
+    (1, 3, 256, 32, 17),
+]
+
+
+@pytest.mark.parametrize("hk,hv,dk,dv,T", GDN_CASES)
+@pytest.mark.parametrize("chunked", [False, True])
+def test_gdn(cpu, gpu, hk, hv, dk, dv, T, chunked):
+    rng = np.random.default_rng(hv * dv + T + dk)
+    qkv = randn(rng, T, 2 * hk * dk + hv * dv)
+    ba = randn(rng, T, 2 * hv)
+    A_log = np.log(rng.uniform(0.05, 8, hv)).astype(np.float32)
+    dt_bias = randn(rng, hv, scale=0.1)
+    state = randn(rng, hv, dk, dv, scale=0.2)
+    gout, gstate = gpu.gdn(qkv, ba, A_log, dt_bias, state, hk, hv, dk, dv, chunked)
+    cout, cstate = cpu.gdn(qkv, ba, A_log, dt_bias, state, hk, hv, dk, dv, chunked)
+    assert relerr(gout, cout) <= OUT_TOL
+    assert relerr(gstate, cstate) <= STATE_TOL
+
+
+@pytest.mark.parametrize("T,hv,dv", [(5, 4, 24), (1, 32, 128), (16, 32, 128), (3, 2, 256)])
+def test_gdn_gated_norm(cpu, gpu, T, hv, dv):
+    rng = np.random.default_rng(T * hv + dv)
+    o, z, w = randn(rng, T, hv * dv), randn(rng, T, hv * dv), bf16(1 + randn(rng, dv, scale=0.1))
+    assert relerr(gpu.gdn_gated_norm(o, z, w, hv, dv, 1e-6), cpu.gdn_gated_norm(o, z, w, hv, dv, 1e-6)) <= OUT_TOL
+
+
+# ---- sampling: greedy exactly, seeded draws identical to the CPU ----
+
+
+def test_greedy_matches_cpu(cpu, gpu):
+    rng = np.random.default_rng(3)
+    for R, V in [(1, 248320), (4, 248320), (3, 1000), (2, 7)]:
+        logits = randn(rng, R, V, scale=3)  # BF16 values: many exact ties among the 248k
+        logits[0, [5, V - 1]] = logits.max() + 1  # a tie for the maximum: the lower index wins
+        gt, gs = gpu.sample(logits, 0.0, 0, 1.0, 0, 11)
+        ct, cs = cpu.sample(logits, 0.0, 0, 1.0, 0, 11)
+        np.testing.assert_array_equal(gt, ct)
+        assert gt[0] == 5
+        assert gs == cs == 11 + R
+
+
+SAMPLE_CONFIGS = [
+    # temperature, top_k, top_p
+    (0.7, 50, 1.0),
+    (1.0, 0, 0.9),
+    (0.8, 40, 0.95),
+    (1.0, 1, 1.0),
+    (1.0, 5000, 1.0),  # a large top-k: the fast path sorts thousands of candidates
+    (1.0, 0, 1.0),  # plain temperature sampling: the radix-descent path
+    (2.0, 0, 0.999),  # a flat distribution cut deep: also the descent path
+    (1.0, 100000, 0.5),
+]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", SAMPLE_CONFIGS)
+@pytest.mark.parametrize("V", [1000, 248320])
+def test_seeded_sampling_matches_cpu(cpu, gpu, temperature, top_k, top_p, V):
+    rng = np.random.default_rng(V + top_k)
+    R = 3
+    for trial in range(4):
+        logits = randn(rng, R, V, scale=2.5)
+        seed, step = 1000 + trial, 7 * trial
+        gt, gs = gpu.sample(logits, temperature, top_k, top_p, seed, step)
+        ct, cs = cpu.sample(logits, temperature, top_k, top_p, seed, step)
+        assert gs == cs == step + R
+        np.testing.assert_array_equal(gt, ct, err_msg=f"trial {trial}: seed {seed}")
+
+
+def test_sampling_distribution_on_gpu(gpu):
+    """Many rows of the same logits: token frequencies follow the kept, renormalised distribution."""
+    logits = np.array([2.0, 1.5, 1.0, 0.2, -0.5, -1.0], dtype=np.float32)
+    n = 20000
+    for temperature, top_k, top_p in [(1.0, 0, 1.0), (1.5, 4, 0.9), (1.0, 0, 0.8)]:
+        tokens, step = gpu.sample(np.tile(logits, (n, 1)), temperature, top_k, top_p, 99, 0)
+        assert step == n
+        p = np.exp(logits.astype(np.float64) / temperature)
+        p /= p.sum()
+        order = np.argsort(-p, kind="stable")
+        keep = order[: top_k or len(p)]
+        if top_p < 1:
+            keep = keep[: int(np.searchsorted(np.cumsum(p[keep]), top_p) + 1)]
+        q = np.zeros_like(p)
+        q[keep] = p[keep] / p[keep].sum()
+        counts = np.bincount(tokens, minlength=len(p))
+        assert np.all(counts[q == 0] == 0)
+        kept = q > 0
+        chi2 = float((((counts[kept] - n * q[kept]) ** 2) / (n * q[kept])).sum())
+        assert chi2 < 25.0, f"chi2 {chi2:.1f}: counts {counts}, expected {n * q}"
