@@ -56,13 +56,7 @@ class MappedFile {
   size_t size_ = 0;
 };
 
-std::string TensorRecord::shape_str() const {
-  std::ostringstream s;
-  s << "[";
-  for (size_t i = 0; i < shape.size(); ++i) s << (i ? ", " : "") << shape[i];
-  s << "]";
-  return s.str();
-}
+std::string TensorRecord::shape_str() const { return dims_str(shape.data(), int(shape.size())); }
 
 static bool parse_dtype(const std::string& s, DType* out, size_t* elem_size) {
   struct Entry { const char* name; DType dtype; bool supported; size_t size; };
@@ -191,10 +185,8 @@ const TensorRecord& Checkpoint::require(const std::string& name, const std::vect
     throw Error(ErrorCode::kModelError, "tensor '" + name + "' in '" + rec->file + "' has dtype " + rec->dtype_str +
                                             "; expected BF16, F16 or F32");
   if (rec->shape != shape) {
-    TensorRecord want;
-    want.shape = shape;
     throw Error(ErrorCode::kModelError, "tensor '" + name + "' in '" + rec->file + "' has shape " + rec->shape_str() +
-                                            "; expected " + want.shape_str());
+                                            "; expected " + dims_str(shape.data(), int(shape.size())));
   }
   return *rec;
 }

@@ -1,6 +1,5 @@
 #include "core/tensor.h"
 
-#include <sstream>
 
 namespace ocria_rt {
 
@@ -71,12 +70,12 @@ Tensor Tensor::cols(int64_t begin, int64_t count) const {
   return t;
 }
 
-std::string Tensor::shape_str() const {
-  std::ostringstream s;
-  s << "[";
-  for (int i = 0; i < ndim; ++i) s << (i ? ", " : "") << shape[i];
-  s << "]";
-  return s.str();
+std::string Tensor::shape_str() const { return dims_str(shape, ndim); }
+
+std::string dims_str(const int64_t* dims, int n) {
+  std::string s = "[";
+  for (int i = 0; i < n; ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
 }
 
 void check_shape(const Tensor& t, std::initializer_list<int64_t> dims, const char* what) {

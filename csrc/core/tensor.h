@@ -46,6 +46,9 @@ struct Tensor {
   std::string shape_str() const;
 };
 
+// "[d0, d1, ...]"
+std::string dims_str(const int64_t* dims, int n);
+
 // Throws Error(kInternal) naming `what` unless t has the given shape (-1 matches any size).
 void check_shape(const Tensor& t, std::initializer_list<int64_t> dims, const char* what);
 

@@ -18,6 +18,7 @@ Qwen35Model::Qwen35Model(const ModelConfig& config, const Checkpoint& ck, Backen
   for (size_t a = 0; a < 3 && a < c.mrope_section.size(); ++a) attn_.mrope_section[a] = int32_t(c.mrope_section[a]);
   gdn_ = {HK, HV, dk, dv, K, float(c.rms_norm_eps)};
   const int64_t C = gdn_.conv_dim();
+  be_.check_model_shapes(attn_, gdn_);
 
   // Text-only checkpoints keep the decoder under model.*, the VLM under model.language_model.*.
   const std::string base = ck.has_prefix("model.language_model.") ? "model.language_model." : "model.";

@@ -73,6 +73,10 @@ class Backend {
   virtual DType activation_dtype() const = 0;
   virtual DType weight_dtype() const = 0;
 
+  // Throws Error(kModelError) naming the dimension if this backend's kernels cannot run a model
+  // of these shapes (checked when the model loads, not at its first forward).
+  virtual void check_model_shapes(const AttentionParams& attention, const GdnParams& gdn) const {}
+
   // ---- memory (used at start-up by Arena; never per step) ----
   virtual void* allocate(size_t bytes) = 0;
   virtual void release(void* ptr) = 0;

@@ -96,6 +96,8 @@ ATTN_CASES = [
     (16, 4, 256, 64, 9, 40, (11, 11, 10)),  # vision tokens: distinct (t, h, w) rotary positions
     (8, 2, 128, 32, 100, 0, ()),
     (6, 2, 128, 32, 4, 70, ()),  # GQA group of 3
+    (4, 2, 32, 8, 5, 0, ()),  # the test fixtures' head_dim
+    (4, 2, 32, 8, 40, 3, ()),
     (4, 4, 64, 16, 2, 9000, ()),  # no GQA, long context
     (8, 1, 64, 64, 1, 4097, ()),  # group of 8, full rotation
 ]
@@ -156,6 +158,9 @@ GDN_CASES = [
     (2, 4, 64, 64, 1),
     (2, 4, 128, 64, 100),
     (1, 3, 256, 32, 17),
+    (2, 4, 16, 16, 40),  # the test fixtures' shapes: small dk, dv not a multiple of 32
+    (2, 4, 16, 24, 5),
+    (2, 4, 32, 32, 1),
 ]
 
 

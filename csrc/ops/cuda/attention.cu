@@ -310,7 +310,7 @@ void CudaBackend::attention(const Tensor& q, const Tensor& k_cache, const Tensor
   require_tensor(out, DType::BF16, op, "out");
   require_tensor(positions, DType::I32, op, "positions");
   const int64_t T = q.dim(0), Hq = p.num_q_heads, Hkv = p.num_kv_heads, hd = p.head_dim;
-  require(hd == 64 || hd == 128 || hd == 256, op, "head_dim " + std::to_string(hd) + " unsupported (64/128/256)");
+  require(hd == 32 || hd == 64 || hd == 128 || hd == 256, op, "head_dim " + std::to_string(hd) + " unsupported (32/64/128/256)");
   require(Hkv > 0 && Hq % Hkv == 0 && Hq / Hkv <= 8, op, "GQA group Hq / Hkv must be an integer <= 8");
   require(q.numel() == T * Hq * hd && (q.ndim == 2 || q.ndim == 3), op, "q " + q.shape_str());
   require(qkv.ndim == 2 && qkv.dim(0) == T && qkv.dim(1) == (2 * Hq + 2 * Hkv) * hd, op, "qkv " + qkv.shape_str());
@@ -346,6 +346,10 @@ void CudaBackend::attention(const Tensor& q, const Tensor& k_cache, const Tensor
   auto* pp = positions.ptr<const int32_t>();
   const int64_t ldc = k_cache.row_stride;
   switch (hd) {
+    case 32:
+      launch_attention_e<1>(GM, grid, qp, ldq, kc, vc, ldc, gp, qkv.row_stride, pp, part, out.ptr<bf16>(),
+                            out.row_stride, int(Hq), G, int(nsplit), scale_log2, stream_);
+      break;
     case 64:
       launch_attention_e<2>(GM, grid, qp, ldq, kc, vc, ldc, gp, qkv.row_stride, pp, part, out.ptr<bf16>(),
                             out.row_stride, int(Hq), G, int(nsplit), scale_log2, stream_);

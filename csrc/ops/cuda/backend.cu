@@ -180,6 +180,18 @@ CudaBackend::CudaBackend(int device_index) : device_(device_index) {
 
 CudaBackend::~CudaBackend() { free_resources(); }
 
+void CudaBackend::check_model_shapes(const AttentionParams& a, const GdnParams& g) const {
+  auto unsupported = [](const std::string& what, int64_t v, const char* allowed) {
+    return Error(ErrorCode::kModelError, "the CUDA backend cannot run this model: " + what + " = " + std::to_string(v) +
+                                             " (supported: " + allowed + ")");
+  };
+  const int64_t hd = a.head_dim, dk = g.k_head_dim;
+  if (hd != 32 && hd != 64 && hd != 128 && hd != 256) throw unsupported("head_dim", hd, "32, 64, 128, 256");
+  if (a.num_q_heads / a.num_kv_heads > 8) throw unsupported("num_attention_heads / num_key_value_heads", a.num_q_heads / a.num_kv_heads, "at most 8");
+  if (dk != 16 && dk != 32 && dk != 64 && dk != 128 && dk != 256)
+    throw unsupported("linear_key_head_dim", dk, "16, 32, 64, 128, 256");
+}
+
 void CudaBackend::free_resources() noexcept {
   cudaSetDevice(device_);
   if (capturing_ && stream_) {  // abandon an unfinished capture

@@ -118,6 +118,7 @@ class CudaBackend final : public Backend {
   DType activation_dtype() const override { return DType::BF16; }
   DType weight_dtype() const override { return DType::BF16; }
 
+  void check_model_shapes(const AttentionParams& attention, const GdnParams& gdn) const override;
   void* allocate(size_t bytes) override;
   void release(void* ptr) override;
   void copy_from_host(const Tensor& dst, const void* src, DType src_dtype) override;

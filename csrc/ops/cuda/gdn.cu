@@ -30,8 +30,8 @@ __global__ void __launch_bounds__(kWarps * 32)
     gdn_recurrent_kernel(const T* __restrict__ qkv, int64_t ldq, const T* __restrict__ ba, int64_t ldb, ParamView A_log,
                          ParamView dt_bias, float* __restrict__ state, T* __restrict__ out, int64_t ldo, int n_tokens,
                          int HK, int HV, int dv) {
-  constexpr int R = DK / kWarps;  // rows of S per thread
-  constexpr int E = DK / 32;      // q / k elements per lane in the prologue
+  constexpr int R = DK / kWarps;         // rows of S per thread
+  constexpr int E = (DK + 31) / 32;     // q / k elements per lane in the prologue
   __shared__ __align__(16) float qs[kTokChunk][DK];
   __shared__ __align__(16) float ks[kTokChunk][DK];
   __shared__ float vs[kTokChunk][32];
@@ -40,6 +40,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 
   const int h = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int col = blockIdx.y * 32 + lane;
+  const bool col_ok = col < dv;  // dv need not be a multiple of 32: surplus lanes carry zeros
   const int hk = h / (HV / HK);
   const int64_t q_off = int64_t(hk) * DK, k_off = int64_t(HK + hk) * DK, v_off = int64_t(2 * HK) * DK + int64_t(h) * dv;
   const float q_scale = rsqrtf(float(DK));
@@ -48,7 +49,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   float* Sp = state + int64_t(h) * DK * dv + int64_t(warp * R) * dv + col;
   float S[R];
 #pragma unroll
-  for (int r = 0; r < R; ++r) S[r] = Sp[int64_t(r) * dv];
+  for (int r = 0; r < R; ++r) S[r] = col_ok ? Sp[int64_t(r) * dv] : 0.0f;
 
   int parity = 0;
   for (int tc = 0; tc < n_tokens; tc += kTokChunk) {
@@ -59,8 +60,9 @@ __global__ void __launch_bounds__(kWarps * 32)
       float qv[E], kv[E], ssq = 0.0f, ssk = 0.0f;
 #pragma unroll
       for (int e = 0; e < E; ++e) {
-        qv[e] = to_float(row[q_off + lane + 32 * e]);
-        kv[e] = to_float(row[k_off + lane + 32 * e]);
+        const bool in = lane + 32 * e < DK;
+        qv[e] = in ? to_float(row[q_off + lane + 32 * e]) : 0.0f;
+        kv[e] = in ? to_float(row[k_off + lane + 32 * e]) : 0.0f;
         ssq = fmaf(qv[e], qv[e], ssq);
         ssk = fmaf(kv[e], kv[e], ssk);
       }
@@ -70,12 +72,14 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
       for (int e = 0; e < E; ++e) {
         const float qn = qv[e] * qi, kn = kv[e] * ki;
-        qs[tt][lane + 32 * e] = qn;
-        ks[tt][lane + 32 * e] = kn;
+        if (lane + 32 * e < DK) {
+          qs[tt][lane + 32 * e] = qn;
+          ks[tt][lane + 32 * e] = kn;
+        }
         kq = fmaf(qn, kn, kq);
       }
       kq = warp_sum(kq);
-      vs[tt][lane] = to_float(row[v_off + col]);
+      vs[tt][lane] = col_ok ? to_float(row[v_off + col]) : 0.0f;
       if (lane == 0) {
         const T* bar = ba + int64_t(tc + tt) * ldb;
         beta_s[tt] = sigmoid(to_float(bar[h]));
@@ -117,12 +121,13 @@ __global__ void __launch_bounds__(kWarps * 32)
         S[r + 2] = fmaf(k4.z, u, S[r + 2]);
         S[r + 3] = fmaf(k4.w, u, S[r + 3]);
       }
-      if (warp == 0) out[int64_t(tc + tt) * ldo + int64_t(h) * dv + col] = from_float<T>(sq + u * kq_s[tt]);
+      if (warp == 0 && col_ok) out[int64_t(tc + tt) * ldo + int64_t(h) * dv + col] = from_float<T>(sq + u * kq_s[tt]);
       parity ^= 1;
     }
   }
+  if (col_ok)
 #pragma unroll
-  for (int r = 0; r < R; ++r) Sp[int64_t(r) * dv] = S[r];
+    for (int r = 0; r < R; ++r) Sp[int64_t(r) * dv] = S[r];
 }
 
 // out = weight * rmsnorm(o) * silu(z) per (token, value head); one warp per row of dv.
@@ -152,22 +157,16 @@ void launch_recurrent(int dk, dim3 grid, const Tensor& qkv, const Tensor& ba, Pa
                       const Tensor& state, const Tensor& out, int n, int HK, int HV, int dv, cudaStream_t s) {
   const T* q = qkv.ptr<const T>();
   const T* b = ba.ptr<const T>();
+  auto launch = [&](auto kernel) {
+    kernel<<<grid, kWarps * 32, 0, s>>>(q, qkv.row_stride, b, ba.row_stride, A_log, dt_bias, state.ptr<float>(),
+                                        out.ptr<T>(), out.row_stride, n, HK, HV, dv);
+  };
   switch (dk) {
-    case 64:
-      gdn_recurrent_kernel<64, T><<<grid, kWarps * 32, 0, s>>>(q, qkv.row_stride, b, ba.row_stride, A_log, dt_bias,
-                                                               state.ptr<float>(), out.ptr<T>(), out.row_stride, n,
-                                                               HK, HV, dv);
-      break;
-    case 128:
-      gdn_recurrent_kernel<128, T><<<grid, kWarps * 32, 0, s>>>(q, qkv.row_stride, b, ba.row_stride, A_log, dt_bias,
-                                                                state.ptr<float>(), out.ptr<T>(), out.row_stride, n,
-                                                                HK, HV, dv);
-      break;
-    case 256:
-      gdn_recurrent_kernel<256, T><<<grid, kWarps * 32, 0, s>>>(q, qkv.row_stride, b, ba.row_stride, A_log, dt_bias,
-                                                                state.ptr<float>(), out.ptr<T>(), out.row_stride, n,
-                                                                HK, HV, dv);
-      break;
+    case 16: launch(gdn_recurrent_kernel<16, T>); break;
+    case 32: launch(gdn_recurrent_kernel<32, T>); break;
+    case 64: launch(gdn_recurrent_kernel<64, T>); break;
+    case 128: launch(gdn_recurrent_kernel<128, T>); break;
+    case 256: launch(gdn_recurrent_kernel<256, T>); break;
   }
   check_launch("gdn_recurrent_kernel");
 }
@@ -185,8 +184,9 @@ void CudaBackend::gdn_run(const char* op, const Tensor& qkv, const Tensor& ba, c
   ParamView a_log = param_view(A_log, op, "A_log"), dtb = param_view(dt_bias, op, "dt_bias");
   const int64_t HK = p.num_k_heads, HV = p.num_v_heads, dk = p.k_head_dim, dv = p.v_head_dim;
   require(HK > 0 && HV > 0 && HV % HK == 0, op, "HV must be a positive multiple of HK");
-  require(dk == 64 || dk == 128 || dk == 256, op, "k_head_dim " + std::to_string(dk) + " unsupported (64/128/256)");
-  require(dv > 0 && dv % 32 == 0, op, "v_head_dim must be a multiple of 32, got " + std::to_string(dv));
+  require(dk == 16 || dk == 32 || dk == 64 || dk == 128 || dk == 256, op,
+          "k_head_dim " + std::to_string(dk) + " unsupported (16/32/64/128/256)");
+  require(dv > 0, op, "v_head_dim must be positive");
   require(qkv.ndim == 2 && qkv.dim(1) == p.conv_dim(), op, "qkv " + qkv.shape_str() + " vs conv_dim " +
                                                                std::to_string(p.conv_dim()));
   const int64_t T = qkv.dim(0);
@@ -197,7 +197,7 @@ void CudaBackend::gdn_run(const char* op, const Tensor& qkv, const Tensor& ba, c
   if (T == 0) return;
   require(T < (int64_t(1) << 31), op, "too many tokens");
   activate();
-  dim3 grid{unsigned(HV), unsigned(dv / 32)};
+  dim3 grid{unsigned(HV), unsigned((dv + 31) / 32)};
   if (qkv.dtype == DType::BF16)
     launch_recurrent<bf16>(int(dk), grid, qkv, ba, a_log, dtb, state, out, int(T), int(HK), int(HV), int(dv), stream_);
   else
