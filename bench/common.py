@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 from pathlib import Path
 
 # Model shapes (text decoder). OCRIA-1 = Qwen3.5-4B text; 0.8B = Qwen3.5-0.8B text.
@@ -166,16 +165,6 @@ def cuda_times(fn, reps: int, warmup: int = 3) -> list[float]:
         e.synchronize()
         out.append(s.elapsed_time(e) / 1e3)
     return out
-
-
-def wall(fn) -> float:
-    import torch
-
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
 
 
 def markdown_table(rows: list[dict], columns: list[str]) -> str:

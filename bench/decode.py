@@ -14,13 +14,14 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (SHAPES, bytes_per_decode_step, full_config, layer_is_attention, linear_params,  # noqa: E402
-                    make_random_checkpoint, markdown_table, measure_copy_bandwidth, measure_matmul_rate, wall)
+                    make_random_checkpoint, markdown_table, measure_copy_bandwidth, measure_matmul_rate)
 
 
 def prefill_flops(c: dict, n: int) -> float:
@@ -47,27 +48,36 @@ def bench_ours(model_dir: Path, prompt: list[int], new_tokens: int, reps: int) -
 
 
 def bench_peer(model_dir: Path, prompt: list[int], new_tokens: int) -> dict:
-    """transformers 5.x with flash-linear-attention kernels (when importable), BF16, greedy."""
+    """transformers 5.x with flash-linear-attention kernels (when importable), BF16, greedy: the
+    prompt is prefilled once, then `new_tokens` single-token forwards with the cache are timed."""
     import torch
     import transformers
 
     try:
-        import fla  # noqa: F401
+        import fla
 
         fla_version = getattr(fla, "__version__", "yes")
     except ImportError:
         fla_version = None
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
     ids = torch.tensor([prompt], device="cuda")
-    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.no_grad():
-        model.generate(ids[:, :64], max_new_tokens=4, min_new_tokens=4, **kw)  # warm-up
-        t1 = wall(lambda: model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw))
-        tn = wall(lambda: model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw))
-    del model
+        model(ids[:, :64], use_cache=True)  # warm-up (kernel compilation)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = model(ids, use_cache=True)
+        torch.cuda.synchronize()
+        prefill = time.perf_counter() - t0
+        cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        t0 = time.perf_counter()
+        for _ in range(new_tokens):
+            out = model(tok, past_key_values=cache, use_cache=True)
+            cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+        decode = time.perf_counter() - t0
+    del model, cache, out
     torch.cuda.empty_cache()
-    return {"decode_tokens_per_s": (new_tokens - 1) / max(tn - t1, 1e-9), "prefill_s": t1, "fla": fla_version,
-            "tokens": new_tokens}
+    return {"decode_tokens_per_s": new_tokens / decode, "prefill_s": prefill, "fla": fla_version, "tokens": new_tokens}
 
 
 def main() -> int:
@@ -115,6 +125,7 @@ def main() -> int:
                 "prefill tok/s": f"{n / ours['prefill_s']:.0f}",
                 "prefill % matmul": f"{100 * flops / ours['prefill_s'] / mm:.1f}",
                 "peer tok/s": f"{run['peer']['decode_tokens_per_s']:.1f}" if "peer" in run else "-",
+                "peer prefill tok/s": f"{n / run['peer']['prefill_s']:.0f}" if "peer" in run else "-",
                 "speed-up": f"{ours['decode_tokens_per_s'] / run['peer']['decode_tokens_per_s']:.1f}x" if "peer" in run else "-",
             })
             args.out.write_text(json.dumps(result, indent=1))

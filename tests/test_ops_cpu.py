@@ -28,6 +28,14 @@ def test_linear(cpu, M, K, N):
     assert relerr(cpu.linear(x, w), x.astype(np.float64) @ w.T) <= TOL
 
 
+@pytest.mark.parametrize("M,I,N", [(1, 48, 40), (5, 72, 33), (40, 64, 96)])
+def test_linear_swiglu(cpu, M, I, N):
+    rng = np.random.default_rng(M + I)
+    gu, w = randn(rng, M, 2 * I, scale=2), randn(rng, N, I)
+    act = ref.silu(gu[:, :I].astype(np.float64)) * gu[:, I:]
+    assert relerr(cpu.linear_swiglu(gu, w), act @ w.T.astype(np.float64)) <= TOL
+
+
 def test_embedding(cpu):
     rng = np.random.default_rng(1)
     table = randn(rng, 50, 24)

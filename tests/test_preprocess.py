@@ -28,6 +28,9 @@ from support import FIXTURES
 IMAGES = FIXTURES / vc.IMAGES_DIR_NAME
 VLM = FIXTURES / "vlm_untied"
 BACKENDS = ("torchvision", "pil")
+# The "pil" backend calls Pillow's own resize, whose rounding changed between Pillow releases: its
+# stored references (made by make_vision_fixtures.py) hold for this Pillow major version only.
+REFERENCE_PILLOW_MAJOR = 13
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,6 +77,11 @@ CASES = [
 
 @pytest.mark.parametrize("cfg_name,name,backend", CASES, ids=["/".join(c) for c in CASES])
 def test_matches_transformers(cfg_name, name, backend):
+    if backend == "pil":
+        import PIL
+
+        if int(PIL.__version__.split(".")[0]) != REFERENCE_PILLOW_MAJOR:
+            pytest.skip(f"PIL references were made with Pillow {REFERENCE_PILLOW_MAJOR}.x, this is {PIL.__version__}")
     seed = list(vc.PREPROCESS_CASES).index(name)
     pv, grid = pp.preprocess_image(case_input(name), vc.PREPROCESS_CONFIGS[cfg_name], backend=backend)
     check_against_reference(pv, grid, f"{cfg_name}/{name}/{backend}", seed)

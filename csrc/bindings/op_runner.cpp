@@ -108,6 +108,14 @@ void register_op_runner(py::module_& m) {
         r.be().linear(xt, lw, out);
         return r.download(out);
       })
+      .def("linear_swiglu", [](OpRunner& r, F32Array gate_up, F32Array w) {
+        LinearWeight lw;
+        lw.weight = r.upload(w, r.wt());
+        const py::ssize_t M = gate_up.shape(0), I = gate_up.shape(1) / 2;
+        Tensor act = r.poisoned({M, I}, r.act()), out = r.poisoned({M, w.shape(0)}, r.act());
+        r.be().linear_swiglu(r.upload(gate_up, r.act()), lw, act, out);
+        return r.download(out);
+      })
       .def("rms_norm", [](OpRunner& r, F32Array x, F32Array w, float eps) {
         Tensor xt = r.upload(x, r.act()), out = r.poisoned({x.shape(0), x.shape(1)}, r.act());
         r.be().rms_norm(xt, r.upload(w, DType::F32), out, eps);

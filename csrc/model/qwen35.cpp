@@ -159,8 +159,7 @@ void Qwen35Model::forward_embedded(int64_t T, const Tensor& positions, const Ten
     // SwiGLU MLP
     Tensor gate_up = proj.cols(0, 2 * I), act = mixed.cols(0, I);
     be_.linear(normed, L.gate_up, gate_up);
-    be_.silu_mul(gate_up, act);
-    be_.linear(act, L.down, delta);
+    be_.linear_swiglu(gate_up, L.down, act, delta);
     const Tensor& next_norm = li + 1 < layers_.size() ? layers_[li + 1].input_norm : final_norm_;
     be_.add_rms_norm(x, delta, next_norm, normed, eps);
   }

@@ -109,6 +109,11 @@ class Backend {
   // gate_up [T, 2I] = [gate | up]; out [T, I] = silu(gate) * up.
   virtual void silu_mul(const Tensor& gate_up, const Tensor& out) = 0;
 
+  // out = linear(silu(gate) * up, w): the MLP's down projection with its activation. `act` [T, I]
+  // is scratch for backends that form the activation in memory (the CPU; CUDA above 16 tokens);
+  // the CUDA decode path forms it while loading and leaves `act` untouched.
+  virtual void linear_swiglu(const Tensor& gate_up, const LinearWeight& w, const Tensor& act, const Tensor& out) = 0;
+
   // Gated attention, step 1. qkv [T, Hq*2*hd + 2*Hkv*hd]: per q head [q (hd) | gate (hd)], then the
   // Hkv key heads, then the Hkv value heads. Applies q_norm / k_norm (zero-centred RMSNorm per head)
   // and RoPE at rope_positions[t] (I32 [T, 3]: t, h, w; equal for text) to q and k; writes

@@ -85,6 +85,15 @@ def test_silu_mul(cpu, gpu, T, I):
     assert relerr(gpu.silu_mul(gu), cpu.silu_mul(gu)) <= OUT_TOL
 
 
+@pytest.mark.parametrize("T,I,N", [(1, 9216, 2560), (5, 72, 33), (16, 1024, 512), (40, 512, 256)])
+def test_linear_swiglu(cpu, gpu, T, I, N):
+    """Decode sizes take the fused path (activation formed while loading), prefill sizes the
+    two-kernel one; both against the CPU's silu_mul + linear."""
+    rng = np.random.default_rng(T + I + N)
+    gu, w = randn(rng, T, 2 * I, scale=2), randn(rng, N, I, scale=I ** -0.5)
+    assert relerr(gpu.linear_swiglu(gu, w), cpu.linear_swiglu(gu, w)) <= OUT_TOL
+
+
 # ---- attention: prepare (norms, RoPE, cache write) and split-K decode / simple prefill ----
 
 ATTN_CASES = [

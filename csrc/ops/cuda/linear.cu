@@ -60,10 +60,26 @@ template <int WARPS, int U, int S> constexpr int skinny_smem_bytes() { return S 
 
 // Requirements (checked by the caller): K % 8 == 0, ldx % 8 == 0, ldw % 8 == 0, x and w 16-byte
 // aligned, 1 <= M <= 8 * NT. Dynamic shared memory: skinny_smem_bytes<WARPS, U, S>().
-template <int WARPS, int NT, int U, int S, class OutT>
+// silu(g) * u on 8 BF16 pairs, rounded to BF16 as the separate silu_mul kernel would store it.
+__device__ __forceinline__ uint4 swiglu8(uint4 g, uint4 u) {
+  uint4 r;
+  const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(&g);
+  const __nv_bfloat162* u2 = reinterpret_cast<const __nv_bfloat162*>(&u);
+  __nv_bfloat162* r2 = reinterpret_cast<__nv_bfloat162*>(&r);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 gf = __bfloat1622float2(g2[i]), uf = __bfloat1622float2(u2[i]);
+    r2[i] = __floats2bfloat162_rn(silu(gf.x) * uf.x, silu(gf.y) * uf.y);
+  }
+  return r;
+}
+
+// GLU: x is a fused [gate | up] row and the GEMM input is silu(gate) * up, formed while loading
+// (up starts glu_off elements after gate), so the MLP's activation needs no kernel of its own.
+template <int WARPS, int NT, int U, int S, bool GLU, class OutT>
 __global__ void __launch_bounds__(WARPS * 32)
-    skinny_gemm_kernel(const bf16* __restrict__ x, int64_t ldx, int M, const bf16* __restrict__ w, int64_t ldw,
-                       int N, int K, ParamView bias, bool has_bias, OutT* __restrict__ out, int64_t ldo) {
+    skinny_gemm_kernel(const bf16* __restrict__ x, int64_t ldx, int64_t glu_off, int M, const bf16* __restrict__ w,
+                       int64_t ldw, int N, int K, ParamView bias, bool has_bias, OutT* __restrict__ out, int64_t ldo) {
   constexpr int NTH = WARPS * 32;
   extern __shared__ uint4 wring[];      // [S][U][2 rows][NTH]: a thread's slots are column tid
   __shared__ float red[WARPS][16][16];  // [warp][W row][token]
@@ -117,7 +133,11 @@ __global__ void __launch_bounds__(WARPS * 32)
       const uint4 wa = slot[(2 * u) * NTH], wb = slot[(2 * u + 1) * NTH];
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
-        const uint4 xv = in && tok_ok[j] ? __ldg(reinterpret_cast<const uint4*>(xr[j] + c * 32)) : zero;
+        uint4 xv = zero;
+        if (in && tok_ok[j]) {
+          xv = __ldg(reinterpret_cast<const uint4*>(xr[j] + c * 32));
+          if constexpr (GLU) xv = swiglu8(xv, __ldg(reinterpret_cast<const uint4*>(xr[j] + glu_off + c * 32)));
+        }
         mma_16816(acc[j], wa.x, wb.x, wa.y, wb.y, xv.x, xv.y);  // k = 8t + {0,1 | 2,3}
         mma_16816(acc[j], wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);  // k = 8t + {4,5 | 6,7}
       }
@@ -202,21 +222,21 @@ __global__ void add_bias_kernel(bf16* __restrict__ out, int64_t ldo, int M, int 
   }
 }
 
-template <int WARPS, int NT, int U, int S, class OutT>
-void launch_skinny_cfg(const bf16* x, int64_t ldx, int M, const bf16* w, int64_t ldw, int N, int K, ParamView bias,
-                       bool has_bias, OutT* out, int64_t ldo, cudaStream_t stream) {
+template <int WARPS, int NT, int U, int S, bool GLU, class OutT>
+void launch_skinny_cfg(const bf16* x, int64_t ldx, int64_t glu_off, int M, const bf16* w, int64_t ldw, int N, int K,
+                       ParamView bias, bool has_bias, OutT* out, int64_t ldo, cudaStream_t stream) {
   constexpr int smem = skinny_smem_bytes<WARPS, U, S>();
-  auto kernel = skinny_gemm_kernel<WARPS, NT, U, S, OutT>;
+  auto kernel = skinny_gemm_kernel<WARPS, NT, U, S, GLU, OutT>;
   // Once per instantiation (thread-safe static initialisation); allowed during graph capture.
   static const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   check_cuda(attr, "cudaFuncSetAttribute (skinny_gemm_kernel)");
-  kernel<<<dim3((N + 15) / 16), WARPS * 32, smem, stream>>>(x, ldx, M, w, ldw, N, K, bias, has_bias, out, ldo);
+  kernel<<<dim3((N + 15) / 16), WARPS * 32, smem, stream>>>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo);
   check_launch("skinny_gemm_kernel");
 }
 
-template <class OutT>
-void launch_skinny(const bf16* x, int64_t ldx, int M, const bf16* w, int64_t ldw, int N, int K, ParamView bias,
-                   bool has_bias, OutT* out, int64_t ldo, int sm_count, cudaStream_t stream) {
+template <bool GLU, class OutT>
+void launch_skinny(const bf16* x, int64_t ldx, int64_t glu_off, int M, const bf16* w, int64_t ldw, int N, int K,
+                   ParamView bias, bool has_bias, OutT* out, int64_t ldo, int sm_count, cudaStream_t stream) {
   const int tiles = (N + 15) / 16;
   // Few row tiles (N = 2560: 160 tiles on 132 SMs) cannot keep enough bytes in flight with 8 warps
   // per tile: give each tile 16 warps then. Ring sizes: 64 KiB (8 warps, 3 blocks per SM) and
@@ -224,14 +244,14 @@ void launch_skinny(const bf16* x, int64_t ldx, int M, const bf16* w, int64_t ldw
   const bool wide = tiles < 4 * sm_count;
   if (M <= 8) {
     if (wide)
-      launch_skinny_cfg<16, 1, 2, 3>(x, ldx, M, w, ldw, N, K, bias, has_bias, out, ldo, stream);
+      launch_skinny_cfg<16, 1, 2, 3, GLU>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, stream);
     else
-      launch_skinny_cfg<8, 1, 2, 4>(x, ldx, M, w, ldw, N, K, bias, has_bias, out, ldo, stream);
+      launch_skinny_cfg<8, 1, 2, 4, GLU>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, stream);
   } else {
     if (wide)
-      launch_skinny_cfg<16, 2, 2, 3>(x, ldx, M, w, ldw, N, K, bias, has_bias, out, ldo, stream);
+      launch_skinny_cfg<16, 2, 2, 3, GLU>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, stream);
     else
-      launch_skinny_cfg<8, 2, 2, 4>(x, ldx, M, w, ldw, N, K, bias, has_bias, out, ldo, stream);
+      launch_skinny_cfg<8, 2, 2, 4, GLU>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, stream);
   }
 }
 
@@ -277,9 +297,11 @@ void CudaBackend::linear(const Tensor& x, const LinearWeight& lw, const Tensor& 
 
   if (M <= 16 && vec_ok && K > 0) {
     if (out_bf16)
-      launch_skinny(xp, ldx, int(M), wp, ldw, int(N), int(K), bias, has_bias, out.ptr<bf16>(), ldo, sm_count_, stream_);
+      launch_skinny<false>(xp, ldx, 0, int(M), wp, ldw, int(N), int(K), bias, has_bias, out.ptr<bf16>(), ldo, sm_count_,
+                           stream_);
     else
-      launch_skinny(xp, ldx, int(M), wp, ldw, int(N), int(K), bias, has_bias, out.ptr<float>(), ldo, sm_count_, stream_);
+      launch_skinny<false>(xp, ldx, 0, int(M), wp, ldw, int(N), int(K), bias, has_bias, out.ptr<float>(), ldo,
+                           sm_count_, stream_);
     return;
   }
   if (M > 16 && out_bf16 && K > 0 &&
@@ -297,6 +319,28 @@ void CudaBackend::linear(const Tensor& x, const LinearWeight& lw, const Tensor& 
     launch_fallback(xp, ldx, int(M), wp, ldw, int(N), int(K), bias, has_bias, out.ptr<bf16>(), ldo, stream_);
   else
     launch_fallback(xp, ldx, int(M), wp, ldw, int(N), int(K), bias, has_bias, out.ptr<float>(), ldo, stream_);
+}
+
+void CudaBackend::linear_swiglu(const Tensor& gate_up, const LinearWeight& lw, const Tensor& act, const Tensor& out) {
+  using namespace cuda;
+  const char* op = "linear_swiglu";
+  require_tensor(gate_up, DType::BF16, op, "gate_up");
+  require_tensor(out, DType::BF16, op, "out");
+  const int64_t M = gate_up.dim(0), I = gate_up.dim(1) / 2;
+  require(gate_up.ndim == 2 && lw.weight.ndim == 2 && lw.weight.dim(1) == I && act.dim(1) == I, op,
+          "gate_up " + gate_up.shape_str() + ", weight " + lw.weight.shape_str() + ", act " + act.shape_str());
+  const bf16* xp = gate_up.ptr<bf16>();
+  const bf16* wp = lw.weight.ptr<bf16>();
+  const bool fused = M <= 16 && M > 0 && !lw.bias.defined() && I % 8 == 0 && gate_up.row_stride % 8 == 0 &&
+                     lw.weight.row_stride % 8 == 0 && aligned16(xp) && aligned16(wp);
+  if (!fused) {  // prefill: the activation through memory, then the GEMM
+    silu_mul(gate_up, act);
+    linear(act, lw, out);
+    return;
+  }
+  activate();
+  launch_skinny<true>(xp, gate_up.row_stride, I, int(M), wp, lw.weight.row_stride, int(lw.weight.dim(0)), int(I),
+                      ParamView{}, false, out.ptr<bf16>(), out.row_stride, sm_count_, stream_);
 }
 
 }  // namespace ocria_rt
