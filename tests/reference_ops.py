@@ -98,3 +98,42 @@ def gdn_gated_norm(o, z, w, hv, dv, eps):
     T = o.shape[0]
     y = rms_norm(o.reshape(T, hv, dv), w, eps, zero_centred=False) * silu(z.reshape(T, hv, dv))
     return y.reshape(T, hv * dv)
+
+
+def layer_norm(x, w, b, eps):
+    x = x.astype(np.float64)
+    mu = x.mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + eps) * w + b
+
+
+def gelu(x, tanh_approximation):
+    from math import erf, sqrt
+
+    x = x.astype(np.float64)
+    if tanh_approximation:
+        return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
+    return 0.5 * x * (1 + np.vectorize(erf)(x / sqrt(2)))
+
+
+def vision_attention(qkv, patch_pos, cu_seqlens, heads, theta):
+    N = qkv.shape[0]
+    hd = qkv.shape[1] // (3 * heads)
+    q, k, v = (qkv[:, i * heads * hd : (i + 1) * heads * hd].reshape(N, heads, hd).astype(np.float64) for i in range(3))
+    quarter, half = hd // 4, hd // 2
+    inv = 1.0 / theta ** (4 * np.arange(quarter) / hd)
+    ang = np.concatenate([patch_pos[:, :1] * inv, patch_pos[:, 1:] * inv], 1)[:, None, :]  # [N, 1, hd/2]
+    c, s = np.cos(ang), np.sin(ang)
+
+    def rot(x):
+        a, b = x[..., :half], x[..., half:]
+        return np.concatenate([a * c - b * s, b * c + a * s], -1)
+
+    q, k = rot(q), rot(k)
+    out = np.zeros((N, heads, hd))
+    for i in range(len(cu_seqlens) - 1):
+        b0, b1 = cu_seqlens[i], cu_seqlens[i + 1]
+        for h in range(heads):
+            sc = q[b0:b1, h] @ k[b0:b1, h].T / np.sqrt(hd)
+            p = np.exp(sc - sc.max(1, keepdims=True))
+            out[b0:b1, h] = (p / p.sum(1, keepdims=True)) @ v[b0:b1, h]
+    return out.reshape(N, heads * hd)

@@ -125,3 +125,22 @@ def test_gdn_gated_norm(cpu):
     T, hv, dv = 5, 4, 24
     o, z, w = randn(rng, T, hv * dv), randn(rng, T, hv * dv), 1 + randn(rng, dv, scale=0.1)
     assert relerr(cpu.gdn_gated_norm(o, z, w, hv, dv, 1e-6), ref.gdn_gated_norm(o, z, w, hv, dv, 1e-6)) <= TOL
+
+
+def test_layer_norm_and_gelu(cpu):
+    rng = np.random.default_rng(8)
+    x, w, b = randn(rng, 9, 40, scale=3), randn(rng, 40), randn(rng, 40)
+    assert relerr(cpu.layer_norm(x, w, b, 1e-6), ref.layer_norm(x, w, b, 1e-6)) <= TOL
+    for tanh in (True, False):
+        assert relerr(cpu.gelu(x, tanh), ref.gelu(x, tanh)) <= TOL
+
+
+@pytest.mark.parametrize("heads,hd,lengths", [(2, 16, [8, 12]), (3, 32, [20]), (1, 64, [4, 16, 8])])
+def test_vision_attention(cpu, heads, hd, lengths):
+    rng = np.random.default_rng(heads * hd)
+    N = sum(lengths)
+    qkv = randn(rng, N, 3 * heads * hd)
+    pos = rng.integers(0, 40, (N, 2)).astype(np.int32)
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    got = cpu.vision_attention(qkv, pos, cu, heads, 10000.0)
+    assert relerr(got, ref.vision_attention(qkv, pos, cu, heads, 10000.0)) <= TOL

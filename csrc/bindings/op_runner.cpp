@@ -126,6 +126,23 @@ void register_op_runner(py::module_& m) {
         r.be().add_rms_norm(res, r.upload(delta, r.act()), r.upload(w, DType::F32), out, eps);
         return py::make_tuple(r.download(res), r.download(out));
       })
+      .def("layer_norm", [](OpRunner& r, F32Array x, F32Array w, F32Array b, float eps) {
+        Tensor out = r.poisoned({x.shape(0), x.shape(1)}, r.act());
+        r.be().layer_norm(r.upload(x, r.act()), r.upload(w, DType::F32), r.upload(b, DType::F32), out, eps);
+        return r.download(out);
+      })
+      .def("gelu", [](OpRunner& r, F32Array x, bool tanh_approximation) {
+        Tensor out = r.poisoned({x.shape(0), x.shape(1)}, r.act());
+        r.be().gelu(r.upload(x, r.act()), out, tanh_approximation);
+        return r.download(out);
+      })
+      .def("vision_attention", [](OpRunner& r, F32Array qkv, I32Array patch_pos, I32Array cu_seqlens, int64_t heads,
+                                  float theta) {
+        Tensor out = r.poisoned({qkv.shape(0), qkv.shape(1) / 3}, r.act());
+        r.be().vision_attention(r.upload(qkv, r.act()), r.upload_i32(patch_pos), r.upload_i32(cu_seqlens), heads, theta,
+                                out);
+        return r.download(out);
+      })
       .def("silu_mul", [](OpRunner& r, F32Array gate_up) {
         Tensor out = r.poisoned({gate_up.shape(0), gate_up.shape(1) / 2}, r.act());
         r.be().silu_mul(r.upload(gate_up, r.act()), out);

@@ -159,21 +159,21 @@ class Backend {
                       const Tensor& tokens) = 0;
 
   // ---- the ops of the vision encoder ----
-  // Until every backend implements them, the base versions throw Error(kInternal) naming the op.
 
   // LayerNorm over the last dimension: out = (x - mean) * rsqrt(var + eps) * weight + bias.
-  virtual void layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out, float eps);
+  virtual void layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out, float eps) = 0;
 
   // out = gelu(x): the tanh approximation (gelu_pytorch_tanh) or the exact erf form.
-  virtual void gelu(const Tensor& x, const Tensor& out, bool tanh_approximation);
+  virtual void gelu(const Tensor& x, const Tensor& out, bool tanh_approximation) = 0;
 
   // Bidirectional attention inside each image. qkv [N, 3*H*hd] = q | k | v (head-major); images
   // are the row ranges cu_seqlens[i] .. cu_seqlens[i+1] (I32 [images + 1]). q and k first get 2-D
   // RoPE over the whole head (rotate-half pairs (i, i + hd/2)): pair i < hd/4 turns by
   // row * theta^(-4i/hd), pair hd/4 + j by col * theta^(-4j/hd), with (row, col) = patch_pos[n]
-  // (I32 [N, 2]). Softmax scale hd^-0.5. out [N, H*hd].
+  // (I32 [N, 2]). Softmax scale hd^-0.5. out [N, H*hd]. The q and k parts of qkv may be
+  // overwritten (the CUDA backend rotates them in place).
   virtual void vision_attention(const Tensor& qkv, const Tensor& patch_pos, const Tensor& cu_seqlens,
-                                int64_t num_heads, float rope_theta, const Tensor& out);
+                                int64_t num_heads, float rope_theta, const Tensor& out) = 0;
 
   // counter[i] += by for every element of an I32 device tensor: a captured decode step advances
   // its own position.

@@ -139,3 +139,14 @@ def test_cuda_errors_are_clear():
         ocria_rt.Engine(FIXTURES / "text_tied", device="cuda:x")
     with pytest.raises(ocria_rt.DeviceError):
         ocria_rt.Engine(FIXTURES / "text_tied", device="cuda:99")
+
+
+def test_vision_encoder_on_cuda_matches_cpu():
+    ref = dict(np.load(FIXTURES / "vision_reference.npz"))
+    d = FIXTURES / "vlm_untied"
+    cpu, gpu = ocria_rt.Engine(d), ocria_rt.Engine(d, device="cuda")
+    want = cpu.encode_images(ref["pixel_values"], ref["image_grid_thw"])
+    assert relerr(gpu.encode_images(ref["pixel_values"], ref["image_grid_thw"]), want) <= TF_TOL
+    res = gpu.generate(list(ref["p2_input_ids"]), max_new_tokens=8, stop_token_ids=[],
+                       pixel_values=ref["pixel_values"], image_grid_thw=ref["image_grid_thw"])
+    assert len(res.token_ids) == 8

@@ -257,3 +257,26 @@ def test_sampling_distribution_on_gpu(gpu):
         kept = q > 0
         chi2 = float((((counts[kept] - n * q[kept]) ** 2) / (n * q[kept])).sum())
         assert chi2 < 25.0, f"chi2 {chi2:.1f}: counts {counts}, expected {n * q}"
+
+
+# ---- vision encoder ops ----
+
+
+@pytest.mark.parametrize("R,D", [(5, 32), (100, 1024), (3, 4096)])
+def test_layer_norm_and_gelu(cpu, gpu, R, D):
+    rng = np.random.default_rng(R + D)
+    x, w, b = randn(rng, R, D, scale=3), randn(rng, D), randn(rng, D)
+    assert relerr(gpu.layer_norm(x, w, b, 1e-6), cpu.layer_norm(x, w, b, 1e-6)) <= OUT_TOL
+    for tanh in (True, False):
+        assert relerr(gpu.gelu(x, tanh), cpu.gelu(x, tanh)) <= OUT_TOL
+
+
+@pytest.mark.parametrize("heads,hd,lengths", [(2, 16, [8, 12]), (3, 32, [40]), (16, 64, [256, 100, 4]),
+                                              (4, 128, [33])])
+def test_vision_attention(cpu, gpu, heads, hd, lengths):
+    rng = np.random.default_rng(heads * hd + len(lengths))
+    N = sum(lengths)
+    qkv = randn(rng, N, 3 * heads * hd)
+    pos = rng.integers(0, 60, (N, 2)).astype(np.int32)
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    assert relerr(gpu.vision_attention(qkv, pos, cu, heads, 10000.0), cpu.vision_attention(qkv, pos, cu, heads, 10000.0)) <= OUT_TOL

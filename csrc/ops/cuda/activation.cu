@@ -100,4 +100,41 @@ void CudaBackend::silu_mul(const Tensor& gate_up, const Tensor& out) {
     launch_silu_mul<float>(gate_up, out, T, I, stream_);
 }
 
+namespace cuda {
+namespace {
+
+// out = gelu(x): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) or the exact 0.5 x (1 + erf(x / sqrt 2)).
+template <bool TANH>
+__global__ void gelu_kernel(const bf16* __restrict__ x, int64_t ldx, bf16* __restrict__ out, int64_t ldo, int D) {
+  const int64_t t = blockIdx.y;
+  for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < D; c += gridDim.x * blockDim.x) {
+    const float v = __bfloat162float(x[t * ldx + c]);
+    const float g = TANH ? 0.5f * v * (1.0f + tanhf(0.7978845608f * (v + 0.044715f * v * v * v)))
+                         : 0.5f * v * (1.0f + erff(v * 0.70710678118f));
+    out[t * ldo + c] = __float2bfloat16_rn(g);
+  }
+}
+
+}  // namespace
+}  // namespace cuda
+
+void CudaBackend::gelu(const Tensor& x, const Tensor& out, bool tanh_approximation) {
+  using namespace cuda;
+  const char* op = "gelu";
+  require_tensor(x, DType::BF16, op, "x");
+  require_tensor(out, DType::BF16, op, "out");
+  require(x.ndim == 2 && out.ndim == 2 && x.dim(0) == out.dim(0) && x.dim(1) == out.dim(1), op,
+          "x " + x.shape_str() + " vs out " + out.shape_str());
+  const int64_t T = x.dim(0), D = x.dim(1);
+  if (T == 0 || D == 0) return;
+  require(T <= 65535, op, "too many rows");
+  activate();
+  const dim3 grid = grid_for(D, 1, T, 256);
+  if (tanh_approximation)
+    gelu_kernel<true><<<grid, 256, 0, stream_>>>(x.ptr<const bf16>(), x.row_stride, out.ptr<bf16>(), out.row_stride, int(D));
+  else
+    gelu_kernel<false><<<grid, 256, 0, stream_>>>(x.ptr<const bf16>(), x.row_stride, out.ptr<bf16>(), out.row_stride, int(D));
+  check_launch("gelu_kernel");
+}
+
 }  // namespace ocria_rt

@@ -370,4 +370,152 @@ void CudaBackend::attention(const Tensor& q, const Tensor& k_cache, const Tensor
   }
 }
 
+namespace cuda {
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// vision_attention: bidirectional attention inside each image for the vision encoder.
+// Step 1 rotates q and k in place (2-D RoPE, angles from double-precision powers as on the CPU).
+// Step 2: a block of kVisRows warps takes kVisRows consecutive query rows of one head; K / V tiles of
+// 32 keys go through shared memory once per block; lane j scores key j of the tile against its
+// warp's query, the warp runs an online softmax, and each lane accumulates its head dimensions.
+// Rows of different images in one block each mask the keys outside their own image.
+// ---------------------------------------------------------------------------------------------
+constexpr int kVisRows = 8;
+constexpr int kVisKeys = 32;
+
+__global__ void vision_rope_kernel(bf16* __restrict__ qkv, int64_t ldq, const int32_t* __restrict__ pos, int64_t N,
+                                   int H, int hd, float theta) {
+  const int half = hd / 2, quarter = hd / 4;
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= N * H * half) return;
+  const int i = int(idx % half), h = int((idx / half) % H);
+  const int64_t n = idx / (int64_t(half) * H);
+  const int j = i < quarter ? i : i - quarter;
+  const float inv_freq = float(1.0 / pow(double(theta), 4.0 * j / hd));
+  const float angle = float(pos[2 * n + (i < quarter ? 0 : 1)]) * inv_freq;
+  const float c = float(cos(double(angle))), sn = float(sin(double(angle)));
+  for (int part = 0; part < 2; ++part) {  // q, then k
+    bf16* head = qkv + n * ldq + int64_t(part) * H * hd + int64_t(h) * hd;
+    const float a = __bfloat162float(head[i]), b = __bfloat162float(head[i + half]);
+    head[i] = __float2bfloat16_rn(a * c - b * sn);
+    head[i + half] = __float2bfloat16_rn(b * c + a * sn);
+  }
+}
+
+template <int HD>
+__global__ void __launch_bounds__(kVisRows * 32)
+    vision_attention_kernel(const bf16* __restrict__ qkv, int64_t ldq, const int32_t* __restrict__ cu, int images,
+                            int64_t N, int H, float scale_log2, bf16* __restrict__ out, int64_t ldo) {
+  constexpr int E = (HD + 31) / 32;  // head dimensions per lane
+  __shared__ float ks[kVisKeys][HD + 1];  // +1: lane j reads row j without bank conflicts
+  __shared__ float vs[kVisKeys][HD];
+  __shared__ float qs[kVisRows][HD];
+  __shared__ int seg[kVisRows][2];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, h = blockIdx.y;
+  const int64_t row = int64_t(blockIdx.x) * kVisRows + warp;
+  const bool active = row < N;
+  if (lane == 0) {
+    int lo = 0, hi = images;  // the image holding `row`: cu[s] <= row < cu[s + 1]
+    while (active && hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      (cu[mid] <= row ? lo : hi) = mid;
+    }
+    seg[warp][0] = active ? cu[lo] : 0;
+    seg[warp][1] = active ? cu[lo + 1] : 0;
+  }
+  for (int d = lane; d < HD; d += 32)
+    qs[warp][d] = active ? __bfloat162float(qkv[row * ldq + int64_t(h) * HD + d]) * scale_log2 : 0.0f;
+  __syncthreads();
+  int64_t lo = INT64_MAX, hi = 0;
+  for (int w = 0; w < kVisRows; ++w)
+    if (seg[w][1] > seg[w][0]) {
+      lo = lo < seg[w][0] ? lo : seg[w][0];
+      hi = hi > seg[w][1] ? hi : seg[w][1];
+    }
+  const int b0 = seg[warp][0], b1 = seg[warp][1];
+  float m = -INFINITY, l = 0.0f, acc[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) acc[e] = 0.0f;
+  for (int64_t k0 = lo; k0 < hi; k0 += kVisKeys) {
+    __syncthreads();  // the previous tile is no longer read
+    for (int idx = threadIdx.x; idx < kVisKeys * HD; idx += blockDim.x) {
+      const int r = idx / HD, d = idx % HD;
+      const int64_t key = k0 + r;
+      const bf16* src = qkv + key * ldq + int64_t(h) * HD + d;
+      ks[r][d] = key < hi ? __bfloat162float(src[int64_t(H) * HD]) : 0.0f;
+      vs[r][d] = key < hi ? __bfloat162float(src[2 * int64_t(H) * HD]) : 0.0f;
+    }
+    __syncthreads();
+    if (!active) continue;
+    const int64_t key = k0 + lane;
+    float sc = -INFINITY;
+    if (key >= b0 && key < b1) {
+      sc = 0.0f;
+#pragma unroll 8
+      for (int d = 0; d < HD; ++d) sc = fmaf(qs[warp][d], ks[lane][d], sc);
+    }
+    const float m_new = fmaxf(m, warp_max(sc));
+    if (m_new == -INFINITY) continue;  // no key of this row's image in the tile yet
+    const float p = sc == -INFINITY ? 0.0f : exp2f(sc - m_new);
+    const float corr = exp2f(m - m_new);
+    l = l * corr + warp_sum(p);
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[e] *= corr;
+    for (int j = 0; j < kVisKeys; ++j) {
+      const float pj = __shfl_sync(0xffffffffu, p, j);
+#pragma unroll
+      for (int e = 0; e < E; ++e)
+        if (lane + 32 * e < HD) acc[e] = fmaf(pj, vs[j][lane + 32 * e], acc[e]);
+    }
+    m = m_new;
+  }
+  if (!active) return;
+#pragma unroll
+  for (int e = 0; e < E; ++e)
+    if (lane + 32 * e < HD) out[row * ldo + int64_t(h) * HD + lane + 32 * e] = __float2bfloat16_rn(acc[e] / l);
+}
+
+}  // namespace
+}  // namespace cuda
+
+void CudaBackend::vision_attention(const Tensor& qkv, const Tensor& patch_pos, const Tensor& cu_seqlens,
+                                   int64_t num_heads, float rope_theta, const Tensor& out) {
+  using namespace cuda;
+  const char* op = "vision_attention";
+  require_tensor(qkv, DType::BF16, op, "qkv");
+  require_tensor(out, DType::BF16, op, "out");
+  require_tensor(patch_pos, DType::I32, op, "patch_pos");
+  require_tensor(cu_seqlens, DType::I32, op, "cu_seqlens");
+  const int64_t N = qkv.dim(0), H = num_heads;
+  require(H > 0 && qkv.ndim == 2 && qkv.dim(1) % (3 * H) == 0, op, "qkv " + qkv.shape_str());
+  const int64_t hd = qkv.dim(1) / (3 * H);
+  require(hd == 16 || hd == 32 || hd == 64 || hd == 128, op, "head_dim " + std::to_string(hd) + " unsupported (16/32/64/128)");
+  require(out.ndim == 2 && out.dim(0) == N && out.dim(1) == H * hd, op, "out " + out.shape_str());
+  require(patch_pos.numel() == 2 * N && patch_pos.contiguous(), op, "patch_pos must be [N, 2]");
+  const int64_t images = cu_seqlens.numel() - 1;
+  require(images >= 1, op, "cu_seqlens needs at least 2 entries");
+  if (N == 0) return;
+  activate();
+  const int64_t pairs = N * H * (hd / 2);
+  vision_rope_kernel<<<unsigned((pairs + 255) / 256), 256, 0, stream_>>>(qkv.ptr<bf16>(), qkv.row_stride,
+                                                                        patch_pos.ptr<const int32_t>(), N, int(H),
+                                                                        int(hd), rope_theta);
+  check_launch("vision_rope_kernel");
+  const dim3 grid(unsigned((N + kVisRows - 1) / kVisRows), unsigned(H));
+  require(grid.y <= 65535, op, "too many heads");
+  const float scale_log2 = float(1.0 / std::sqrt(double(hd))) * 1.4426950408889634f;
+  auto launch = [&](auto kernel) {
+    kernel<<<grid, kVisRows * 32, 0, stream_>>>(qkv.ptr<const bf16>(), qkv.row_stride, cu_seqlens.ptr<const int32_t>(),
+                                                int(images), N, int(H), scale_log2, out.ptr<bf16>(), out.row_stride);
+  };
+  switch (hd) {
+    case 16: launch(vision_attention_kernel<16>); break;
+    case 32: launch(vision_attention_kernel<32>); break;
+    case 64: launch(vision_attention_kernel<64>); break;
+    default: launch(vision_attention_kernel<128>); break;
+  }
+  check_launch("vision_attention_kernel");
+}
+
 }  // namespace ocria_rt

@@ -147,6 +147,10 @@ class CudaBackend final : public Backend {
   void gdn_gated_norm(const Tensor& o, const Tensor& z, const Tensor& weight, const GdnParams& p,
                       const Tensor& out) override;
   void sample(const Tensor& logits, const SamplerConfig& config, const Tensor& step, const Tensor& tokens) override;
+  void layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out, float eps) override;
+  void gelu(const Tensor& x, const Tensor& out, bool tanh_approximation) override;
+  void vision_attention(const Tensor& qkv, const Tensor& patch_pos, const Tensor& cu_seqlens, int64_t num_heads,
+                        float rope_theta, const Tensor& out) override;
   void increment(const Tensor& counter, int32_t by) override;
   void copy(const Tensor& dst, const Tensor& src) override;
 

@@ -110,4 +110,49 @@ void CudaBackend::add_rms_norm(const Tensor& residual, const Tensor& delta, cons
     launch_rms_norm<float, true>(residual, &delta, out, w, D, eps, stream_, op);
 }
 
+namespace cuda {
+namespace {
+
+// LayerNorm (vision encoder): one warp per row, two passes over the row (mean, then variance) in fp32.
+template <class T>
+__global__ void layer_norm_kernel(const T* __restrict__ x, int64_t ldx, T* __restrict__ out, int64_t ldo, int64_t rows,
+                                  int D, ParamView w, ParamView b, float eps) {
+  const int64_t r = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (r >= rows) return;
+  const T* xr = x + r * ldx;
+  float sum = 0.0f;
+  for (int c = lane; c < D; c += 32) sum += to_float(xr[c]);
+  const float mean = warp_sum(sum) / float(D);
+  float var = 0.0f;
+  for (int c = lane; c < D; c += 32) {
+    const float d = to_float(xr[c]) - mean;
+    var = fmaf(d, d, var);
+  }
+  const float inv = rsqrtf(warp_sum(var) / float(D) + eps);
+  for (int c = lane; c < D; c += 32) out[r * ldo + c] = from_float<T>((to_float(xr[c]) - mean) * inv * w[c] + b[c]);
+}
+
+}  // namespace
+}  // namespace cuda
+
+void CudaBackend::layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out, float eps) {
+  using namespace cuda;
+  const char* op = "layer_norm";
+  require_tensor(x, activation_dtype(), op, "x");
+  require_tensor(out, activation_dtype(), op, "out");
+  const ParamView w = param_view(weight, op, "weight"), b = param_view(bias, op, "bias");
+  const int64_t D = weight.numel();
+  require(x.ndim == 2 && out.ndim == 2 && x.dim(1) == D && out.dim(1) == D && out.dim(0) == x.dim(0), op,
+          "x " + x.shape_str() + ", out " + out.shape_str() + ", weight " + weight.shape_str());
+  require(bias.numel() == D, op, "bias must have as many elements as weight");
+  const int64_t rows = x.dim(0);
+  if (rows == 0) return;
+  activate();
+  constexpr int kWarps = 4;
+  layer_norm_kernel<bf16><<<unsigned((rows + kWarps - 1) / kWarps), kWarps * 32, 0, stream_>>>(
+      x.ptr<const bf16>(), x.row_stride, out.ptr<bf16>(), out.row_stride, rows, int(D), w, b, eps);
+  check_launch("layer_norm_kernel");
+}
+
 }  // namespace ocria_rt
