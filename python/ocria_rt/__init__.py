@@ -6,6 +6,7 @@ from pathlib import Path
 
 from . import _core
 from .engine import Engine, GenerationResult
+from .pipeline import Document, PageResult, parse
 from .errors import (
     DeviceError,
     FileError,
@@ -42,6 +43,9 @@ def build_info() -> dict[str, object]:
 __all__ = [
     "Engine",
     "GenerationResult",
+    "Document",
+    "PageResult",
+    "parse",
     "OcriaError",
     "InvalidArgumentError",
     "FileError",

@@ -51,6 +51,95 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _write_atomic(path: str, text: str) -> str:
+    """Writes `text` to a temporary file next to `path`; returns the temporary path (see _commit)."""
+    import os
+    import tempfile
+
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return tmp
+
+
+def _parse(args: argparse.Namespace) -> int:
+    import os
+
+    from .errors import FileError, InvalidArgumentError
+    from .pipeline import parse, parse_page_spec
+
+    outputs = [o for o in (args.output, args.json) if o not in (None, "-")]
+    for out in outputs:  # fail before the model runs, not after
+        d = os.path.dirname(os.path.abspath(out))
+        if not os.path.isdir(d):
+            raise FileError(f"output directory '{d}' does not exist (for '{out}')")
+        if os.path.isdir(out):
+            raise FileError(f"output '{out}' is a directory")
+    if args.output and args.json and args.output != "-" and os.path.abspath(args.output) == os.path.abspath(args.json):
+        raise InvalidArgumentError("-o and --json name the same file")
+    parse_page_spec(args.pages)  # a bad --pages is a usage error before anything runs
+
+    engine = args.model  # a directory (or None: the default VLM), loaded by parse() once the inputs check out
+    if args.threads:
+        from . import Engine
+        from .pipeline import default_vlm_dir
+
+        engine = Engine(args.model or default_vlm_dir(), device=args.device, num_threads=args.threads)
+    doc = parse(
+        args.inputs,
+        engine=engine,
+        prompt=args.prompt,
+        pages=args.pages,
+        dpi=args.dpi,
+        target_long_side=args.target_long_side,
+        max_new_tokens=args.max_new_tokens,
+        progress="always" if args.progress else not args.no_progress,
+        device=args.device,
+    )
+
+    texts = {}
+    if args.output in (None, "-"):
+        sys.stdout.write(doc.markdown)
+        sys.stdout.flush()
+    else:
+        texts[args.output] = doc.markdown
+    if args.json == "-":
+        print(json.dumps(doc.to_dict(), indent=2, ensure_ascii=False))
+    elif args.json:
+        texts[args.json] = json.dumps(doc.to_dict(), indent=2, ensure_ascii=False) + "\n"
+    temps: list[tuple[str, str]] = []
+    try:
+        for path, text in texts.items():
+            temps.append((_write_atomic(path, text), path))
+        for tmp, path in temps:
+            os.replace(tmp, path)
+    except OSError as e:
+        for tmp, _ in temps:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        raise FileError(f"cannot write the output: {e}") from e
+
+    n, failed = len(doc.pages), doc.failed_pages
+    for p in failed:
+        print(f"ocria-rt: page {p.page_number} of '{p.source}' failed: {p.error}", file=sys.stderr)
+    for bad in doc.input_errors:
+        print(f"ocria-rt: input '{bad.source}' failed: {bad.error}", file=sys.stderr)
+    t = doc.timings
+    print(
+        f"[{n - len(failed)}/{n} pages in {t['wall_s']:.2f} s ({t['pages_per_s']:.2f} pages/s), "
+        f"{doc.new_tokens} new tokens ({t['tokens_per_s']:.1f} tokens/s)]",
+        file=sys.stderr,
+    )
+    return 0 if doc.ok else 1
+
+
 def _info(args: argparse.Namespace) -> int:
     from . import build_info
 
@@ -78,6 +167,29 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     g.set_defaults(func=_generate)
 
+    pa = sub.add_parser(
+        "parse",
+        help="convert PDFs and images to Markdown, page by page",
+        description="Convert PDFs and images (PNG, JPEG, TIFF incl. multi-page) to Markdown with a VLM. "
+        "Exit status: 0 all pages converted, 1 some pages (or, with several inputs, some inputs) failed "
+        "(outputs still written), 2 usage or input error (nothing written).",
+    )
+    pa.add_argument("inputs", nargs="+", metavar="INPUT", help="PDF or image files")
+    pa.add_argument("-o", "--output", default=None, help="Markdown output file (default or '-': stdout)")
+    pa.add_argument("--json", default=None, metavar="OUT.json", help="also write per-page text, errors, timings and token counts as JSON ('-': stdout)")
+    pa.add_argument("--pages", default=None, help="pages of every document, 1-based: e.g. 1-3,7 or 5-")
+    pa.add_argument("--prompt", default=None, help="the instruction sent with every page (default: Markdown, tables as HTML)")
+    pa.add_argument("--model", default=None, help="VLM directory (default: the small VLM shipped in the package)")
+    pa.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    pa.add_argument("--max-new-tokens", type=int, default=2048, help="per page")
+    pa.add_argument("--dpi", type=float, default=None, help="render PDFs at this resolution (default: longer side = --target-long-side)")
+    pa.add_argument("--target-long-side", type=int, default=1288, help="PDF pages: pixels of the longer side (default 1288)")
+    pa.add_argument("--threads", type=int, default=0, help="CPU threads (0: all cores)")
+    prog = pa.add_mutually_exclusive_group()
+    prog.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    prog.add_argument("--progress", action="store_true", help="a progress line on stderr even when it is not a terminal")
+    pa.set_defaults(func=_parse)
+
     i = sub.add_parser("info", help="print build information")
     i.set_defaults(func=_info)
 
@@ -87,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     except OcriaError as e:
         print(f"ocria-rt: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("ocria-rt: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

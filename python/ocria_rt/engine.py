@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Literal, overload
 
 import numpy as np
 
@@ -181,6 +182,41 @@ class Engine:
             yield tok
             if tok in stops:
                 return
+
+    @overload
+    def chat(self, messages: Sequence[Mapping[str, Any]], max_new_tokens: int = ..., temperature: float = ...,
+             top_k: int = ..., top_p: float = ..., seed: int = ..., stop_token_ids: Sequence[int] | None = ...,
+             *, stream: Literal[False] = ..., **prompt_kwargs: Any) -> GenerationResult: ...
+    @overload
+    def chat(self, messages: Sequence[Mapping[str, Any]], max_new_tokens: int = ..., temperature: float = ...,
+             top_k: int = ..., top_p: float = ..., seed: int = ..., stop_token_ids: Sequence[int] | None = ...,
+             *, stream: Literal[True], **prompt_kwargs: Any) -> Iterator[int]: ...
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        stop_token_ids: Sequence[int] | None = None,
+        *,
+        stream: bool = False,
+        **prompt_kwargs: Any,
+    ) -> GenerationResult | Iterator[int]:
+        """Answers a conversation: `messages` rendered with the model's chat template (generation prompt
+        added), images in them preprocessed and their placeholders expanded (see ocria_rt.chat).
+
+        Returns a GenerationResult whose text has special tokens skipped, or with stream=True an iterator
+        of new token ids (as stream()). Extra keyword arguments go to build_multimodal_prompt: its options
+        (backend, max_image_pixels) and chat-template variables.
+        """
+        from .chat import build_multimodal_prompt
+
+        ids, pixel_values, grid = build_multimodal_prompt(self, messages, **prompt_kwargs)
+        args = (ids, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, pixel_values, grid)
+        return self.stream(*args) if stream else self.generate(*args)
 
     def _stops(self, stop_token_ids: Sequence[int] | None) -> list[int]:
         return list(self.eos_token_ids if stop_token_ids is None else (int(t) for t in stop_token_ids))
