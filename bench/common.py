@@ -17,6 +17,16 @@ SHAPES: dict[str, dict] = {
 }
 
 
+# The OCRia-1 (Qwen3.5-4B) vision encoder.
+OCRIA1_VISION: dict = dict(depth=24, hidden_size=1024, num_heads=16, intermediate_size=4096, out_hidden_size=2560,
+                           patch_size=16, temporal_patch_size=2, spatial_merge_size=2, in_channels=3,
+                           num_position_embeddings=2304, hidden_act="gelu_pytorch_tanh", model_type="qwen3_5_vision",
+                           rope_parameters={"rope_type": "axial", "rope_theta": 10000.0})
+# transformers' defaults for Qwen3.5 VLM configs
+VISION_TOKENS = dict(image_token_id=248056, video_token_id=248057, vision_start_token_id=248053,
+                     vision_end_token_id=248054)
+
+
 def full_config(shape: dict, max_pos: int = 65536) -> dict:
     c = dict(shape)
     c.update(model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"], hidden_act="silu", rms_norm_eps=1e-6,
@@ -66,8 +76,30 @@ def weight_shapes(c: dict) -> dict[str, tuple[int, ...]]:
     return s
 
 
-def make_random_checkpoint(shape_name: str, directory: Path, seed: int = 0) -> Path:
-    """A BF16 checkpoint of random weights drawn on the GPU (scaled so activations stay O(1))."""
+def vision_weight_shapes(v: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the vision encoder (transformers key names)."""
+    D, I, M = v["hidden_size"], v["intermediate_size"], v["hidden_size"] * v["spatial_merge_size"] ** 2
+    p = "model.visual."
+    s: dict[str, tuple[int, ...]] = {
+        p + "patch_embed.proj.weight": (D, v["in_channels"], v["temporal_patch_size"], v["patch_size"], v["patch_size"]),
+        p + "patch_embed.proj.bias": (D,),
+        p + "pos_embed.weight": (v["num_position_embeddings"], D),
+        p + "merger.norm.weight": (D,), p + "merger.norm.bias": (D,),
+        p + "merger.linear_fc1.weight": (M, M), p + "merger.linear_fc1.bias": (M,),
+        p + "merger.linear_fc2.weight": (v["out_hidden_size"], M), p + "merger.linear_fc2.bias": (v["out_hidden_size"],),
+    }
+    for i in range(v["depth"]):
+        b = f"{p}blocks.{i}."
+        for n in ("norm1", "norm2"):
+            s[b + n + ".weight"], s[b + n + ".bias"] = (D,), (D,)
+        for n, (o, k) in {"attn.qkv": (3 * D, D), "attn.proj": (D, D), "mlp.linear_fc1": (I, D), "mlp.linear_fc2": (D, I)}.items():
+            s[b + n + ".weight"], s[b + n + ".bias"] = (o, k), (o,)
+    return s
+
+
+def make_random_checkpoint(shape_name: str, directory: Path, seed: int = 0, vision: dict | None = None) -> Path:
+    """A BF16 checkpoint of random weights drawn on the GPU (scaled so activations stay O(1)); with
+    `vision`, a Qwen3_5ForConditionalGeneration checkpoint holding that vision encoder too."""
     import torch
     from safetensors.torch import save_file
 
@@ -76,9 +108,15 @@ def make_random_checkpoint(shape_name: str, directory: Path, seed: int = 0) -> P
         return directory
     c = full_config(SHAPES[shape_name])
     g = torch.Generator(device="cuda").manual_seed(seed)
+    shapes = weight_shapes(c)
+    if vision is not None:
+        shapes = {k.replace("model.", "model.language_model.", 1): v for k, v in shapes.items()}
+        shapes.update(vision_weight_shapes(vision))
     tensors = {}
-    for name, shp in weight_shapes(c).items():
-        if name.endswith("A_log"):
+    for name, shp in shapes.items():
+        if "visual" in name and ".norm" in name and name.endswith("weight"):
+            t = torch.ones(shp, device="cuda")  # LayerNorm scale
+        elif name.endswith("A_log"):
             t = torch.log(torch.rand(shp, device="cuda", generator=g) * 15 + 1)
         elif name.endswith("dt_bias"):
             t = torch.ones(shp, device="cuda")
@@ -88,10 +126,20 @@ def make_random_checkpoint(shape_name: str, directory: Path, seed: int = 0) -> P
             t = torch.zeros(shp, device="cuda")
         elif name.endswith("conv1d.weight"):
             t = torch.randn(shp, device="cuda", generator=g) * 0.3
+        elif name.endswith(".bias"):
+            t = torch.zeros(shp, device="cuda")
+        elif name.endswith("pos_embed.weight"):
+            t = torch.randn(shp, device="cuda", generator=g) * 0.02
         else:
-            t = torch.randn(shp, device="cuda", generator=g) * (shp[-1] ** -0.5)
+            fan_in = 1
+            for d in shp[1:]:
+                fan_in *= d
+            t = torch.randn(shp, device="cuda", generator=g) * fan_in**-0.5
         tensors[name] = t.to(torch.bfloat16).cpu()
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    if vision is not None:
+        c = dict(model_type="qwen3_5", architectures=["Qwen3_5ForConditionalGeneration"], text_config=c,
+                 vision_config=vision, tie_word_embeddings=c["tie_word_embeddings"], **VISION_TOKENS)
     (directory / "config.json").write_text(json.dumps(c, indent=1))
     return directory
 

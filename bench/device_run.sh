@@ -2,7 +2,7 @@
 # One call on a GPU machine without internet: build and install from source, run the GPU tests and
 # the benchmarks, and leave logs and JSON in OUT_DIR.
 #
-#   bench/device_run.sh OUT_DIR [tests|kernels|decode|all ...]
+#   bench/device_run.sh OUT_DIR [tests|kernels|decode|vision|all ...]
 #
 # Dependencies the machine lacks come as wheels in .wheels/ (nvidia-cutlass for the CUTLASS headers,
 # flash-linear-attention + fla-core for the benchmark peer); everything else (torch, transformers,
@@ -34,6 +34,9 @@ if has_step tests; then
 fi
 if has_step kernels && [ -f bench/kernels.py ]; then
   python3 bench/kernels.py "$OUT_DIR/kernels.json" 2>&1 | tee "$OUT_DIR/kernels.log" | tail -40
+fi
+if has_step vision; then
+  python3 bench/vision.py "$OUT_DIR/vision.json" 2>&1 | tee "$OUT_DIR/vision.log" | tail -12
 fi
 if has_step decode; then
   python3 bench/decode.py "$OUT_DIR/decode.json" ${DECODE_ARGS:-} 2>&1 | tee "$OUT_DIR/decode.log" | tail -20
