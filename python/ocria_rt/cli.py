@@ -13,7 +13,7 @@ def _generate(args: argparse.Namespace) -> int:
     from . import Engine
 
     eng = Engine(args.model, device=args.device, max_context=args.max_context, num_threads=args.threads)
-    stops = [] if args.ignore_eos else None
+    stops: list[int] | None = [] if args.ignore_eos else None
     prompt = args.prompt
     if eng.tokenizer is None:
         prompt = [int(t) for t in args.prompt.split()]  # no tokenizer: the prompt is token ids

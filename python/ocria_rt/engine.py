@@ -70,13 +70,13 @@ class Engine:
             max_image_patches=max_image_patches,
         )
         self.device = device
-        self.config: dict[str, object] = self._core.config
+        self.config: dict[str, Any] = self._core.config
         self.tokenizer = _load_tokenizer(self.model_dir)
         self.eos_token_ids: list[int] = _eos_token_ids(self.model_dir, self.config)
 
     @property
     def vocab_size(self) -> int:
-        return int(self.config["vocab_size"])  # type: ignore[arg-type]
+        return int(self.config["vocab_size"])
 
     @property
     def max_context(self) -> int:
@@ -248,7 +248,7 @@ def _load_tokenizer(model_dir: Path):  # -> tokenizers.Tokenizer | None
         raise FileError(f"cannot load tokenizer '{path}': {e}") from e
 
 
-def _eos_token_ids(model_dir: Path, config: dict[str, object]) -> list[int]:
+def _eos_token_ids(model_dir: Path, config: dict[str, Any]) -> list[int]:
     """End-of-sequence ids: generation_config.json first, then config.json."""
     gen = model_dir / "generation_config.json"
     if gen.exists():
@@ -258,4 +258,4 @@ def _eos_token_ids(model_dir: Path, config: dict[str, object]) -> list[int]:
             raise FileError(f"cannot read '{gen}': {e}") from e
         if eos is not None:
             return [int(t) for t in (eos if isinstance(eos, list) else [eos])]
-    return [int(t) for t in config.get("eos_token_ids", [])]  # type: ignore[union-attr]
+    return [int(t) for t in config.get("eos_token_ids", [])]

@@ -154,7 +154,8 @@ class ImageProcessorConfig:
         kw["merge_size"] = get_int("merge_size", base.merge_size)
 
         size = d.get("size")
-        min_px, max_px = base.min_pixels, base.max_pixels
+        min_px: Any = base.min_pixels
+        max_px: Any = base.max_pixels
         if size is not None:
             if not isinstance(size, dict):
                 raise InvalidArgumentError(
@@ -352,7 +353,7 @@ def _open_path(path: Path, max_image_pixels: int | None) -> "Image.Image":
         with warnings.catch_warnings():
             # We apply our own size limit below; Pillow's warning threshold is lower than ours.
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            im = Image.open(path)
+            im: Image.Image = Image.open(path)
     except Image.DecompressionBombError as e:
         raise InvalidArgumentError(f"{what} is too large (Pillow's decompression-bomb guard): {e}") from e
     except UnidentifiedImageError as e:

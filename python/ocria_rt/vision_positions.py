@@ -46,10 +46,10 @@ def _check_merge(g: np.ndarray, merge_size: int) -> None:
 def patch_rows_cols(h: int, w: int, merge_size: int) -> tuple[np.ndarray, np.ndarray]:
     """(row, col) of each patch of one frame, in merge-window-major order."""
     m = merge_size
-    rows = np.arange(h).reshape(h // m, 1, m, 1)
-    cols = np.arange(w).reshape(1, w // m, 1, m)
-    rows = np.broadcast_to(rows, (h // m, w // m, m, m)).reshape(-1)
-    cols = np.broadcast_to(cols, (h // m, w // m, m, m)).reshape(-1)
+    grid_rows = np.arange(h).reshape(h // m, 1, m, 1)
+    grid_cols = np.arange(w).reshape(1, w // m, 1, m)
+    rows = np.broadcast_to(grid_rows, (h // m, w // m, m, m)).reshape(-1)
+    cols = np.broadcast_to(grid_cols, (h // m, w // m, m, m)).reshape(-1)
     return rows, cols
 
 
