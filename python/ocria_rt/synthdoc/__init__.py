@@ -1,0 +1,86 @@
+"""Synthetic document pages with their exact Markdown, for training and evaluating page-to-Markdown models.
+
+>>> from ocria_rt.synthdoc import generate_page, iter_dataset, PageConfig
+>>> image, markdown, meta = generate_page(1234)                  # deterministic for a seed
+>>> for image, markdown, meta in iter_dataset("heldout", 200, seed=0):
+...     ...
+
+Pages hold headings, paragraphs, bulleted / numbered / checkbox lists, tables (HTML ``<table>`` in the
+Markdown), key-value forms, invoices and letters, running headers, footers and page numbers, in one or
+two columns, several fonts and sizes, with light scan noise. Text comes from `faker` in several
+locales when it is installed (``pip install faker``; the ``[data]`` extra), else from built-in word
+lists. Fonts are Pillow's bundled font plus families found on the machine (see :mod:`.fonts`); nothing
+is downloaded. Dependencies: Pillow and numpy (faker optional). This subpackage imports nothing from
+the rest of ocria_rt except in :func:`evaluate` (its default prompt), so training scripts can use it
+without the compiled engine.
+
+Splits: ``page_seed(split, index, seed)`` maps a page of a split to the seed given to
+``generate_page``; training seeds are even and held-out seeds odd, so the two never overlap whatever
+`seed` and `index` are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from .layout import Laid, Typo
+from .metrics import cer, evaluate, levenshtein, normalize, parse_tables, score_page, summarize, table_shape, table_structures
+from .pages import LAYOUTS, LAYOUT_WEIGHTS, PageConfig, compose, generate_page, with_overrides
+from .text import faker_available
+
+SPLITS = {"train": 0, "heldout": 1}
+MAX_INDEX = 2**32
+MAX_SPLIT_SEED = 2**30
+
+
+def page_seed(split: str, index: int, seed: int = 0) -> int:
+    """The generate_page seed of page `index` of `split` ("train" or "heldout") under base `seed`.
+
+    seed and index select disjoint ranges; the lowest bit is the split, so train and held-out seeds
+    never coincide."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {sorted(SPLITS)}, got {split!r}")
+    if not 0 <= index < MAX_INDEX:
+        raise ValueError(f"index must be in [0, 2**32), got {index}")
+    if not 0 <= seed < MAX_SPLIT_SEED:
+        raise ValueError(f"seed must be in [0, 2**30), got {seed}")
+    return (((seed << 32) | index) << 1) | SPLITS[split]
+
+
+def split_of(page_seed_value: int) -> str:
+    """The split a page seed belongs to."""
+    return "heldout" if page_seed_value & 1 else "train"
+
+
+def iter_dataset(split: str, n: int, seed: int = 0, config: PageConfig | None = None,
+                 start: int = 0) -> Iterator[tuple[Any, str, dict[str, Any]]]:
+    """(image, markdown, meta) of pages start .. start + n - 1 of a split (meta["seed"] is the page seed)."""
+    for i in range(start, start + n):
+        yield generate_page(page_seed(split, i, seed), config)
+
+
+__all__ = [
+    "LAYOUTS",
+    "LAYOUT_WEIGHTS",
+    "Laid",
+    "PageConfig",
+    "SPLITS",
+    "Typo",
+    "cer",
+    "compose",
+    "evaluate",
+    "faker_available",
+    "generate_page",
+    "iter_dataset",
+    "levenshtein",
+    "normalize",
+    "page_seed",
+    "parse_tables",
+    "score_page",
+    "split_of",
+    "summarize",
+    "table_shape",
+    "table_structures",
+    "with_overrides",
+]

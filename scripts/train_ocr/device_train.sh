@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# One training run on a GPU machine without internet, in one call:
+#
+#   scripts/train_ocr/device_train.sh OUT_DIR MINUTES [RESUME_CKPT_DIR] [train.py options...]
+#
+#   OUT_DIR          where the run writes: log.jsonl (all runs so far), train.out (console),
+#                    ckpt/ (state.json, shard-NN.safetensors <= 15 MiB each, log.jsonl) -- 7 files
+#   MINUTES          the run's wall-clock budget (train.py --minutes); it stops early enough to evaluate
+#                    and checkpoint. With a 600 s command limit, 8.5 leaves room for the start-up.
+#   RESUME_CKPT_DIR  a checkpoint directory carried in (e.g. .ckpt/ckpt); "" or "-" for a fresh start
+#
+# Wheels come from .wheels/ (flash-linear-attention + fla-core: the Gated DeltaNet kernels; faker: page
+# text), installed with --no-index --no-deps --target /tmp/site; torch, transformers, tokenizers,
+# safetensors, numpy and Pillow must already be on the machine. A missing wheel is not fatal: without
+# fla transformers runs its torch reference (slower), without faker the generator uses its word lists.
+#
+# Example (the lead's device call, carrying the wheels and the previous checkpoint):
+#   run(command="scripts/train_ocr/device_train.sh $OUT/run 8.5 .ckpt/ckpt",
+#       carry=[".wheels/fla_core-0.6.0-py3-none-any.whl", ".wheels/flash_linear_attention-0.6.0-py3-none-any.whl",
+#              ".wheels/faker-40.63.0-py3-none-any.whl", ".ckpt"])
+# then copy $OUT/run/ckpt back into .ckpt/ckpt for the next run (and keep $OUT/run/log.jsonl).
+set -uo pipefail
+OUT_DIR=${1:?usage: device_train.sh OUT_DIR MINUTES [RESUME_CKPT_DIR] [train.py options...]}
+MINUTES=${2:?usage: device_train.sh OUT_DIR MINUTES [RESUME_CKPT_DIR] [train.py options...]}
+RESUME=${3:-}
+shift $(( $# < 3 ? $# : 3 ))
+cd "$(dirname "$0")/../.."
+mkdir -p "$OUT_DIR"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+start=$(date +%s)
+
+wheels=$(ls .wheels/fla_core-*.whl .wheels/flash_linear_attention-*.whl .wheels/faker-*.whl 2>/dev/null)
+if [ -n "$wheels" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $wheels \
+    || echo "device_train: wheel install failed; going on without them"
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+else
+  echo "device_train: no wheels in .wheels/ (fla, faker): torch GDN reference and built-in word lists"
+fi
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
+  python3 - <<'EOF'
+import importlib, importlib.metadata as md
+for name, dist in (("torch", "torch"), ("transformers", "transformers"), ("tokenizers", "tokenizers"),
+                   ("fla", "flash-linear-attention"), ("faker", "faker"), ("PIL", "pillow"), ("numpy", "numpy"),
+                   ("safetensors", "safetensors")):
+    try:
+        importlib.import_module(name)
+        print(f"{name} {md.version(dist)}")
+    except Exception as e:  # noqa: BLE001
+        print(f"{name} MISSING ({type(e).__name__}: {e})")
+EOF
+  echo "nproc $(nproc)"
+} > "$OUT_DIR/train.out" 2>&1
+cat "$OUT_DIR/train.out"
+
+args=(--out "$OUT_DIR" --minutes "$MINUTES")
+if [ -n "$RESUME" ] && [ "$RESUME" != "-" ]; then
+  if [ ! -f "$RESUME/state.json" ]; then echo "device_train: no checkpoint at $RESUME"; exit 2; fi
+  args+=(--resume "$RESUME")
+fi
+python3 scripts/train_ocr/train.py "${args[@]}" "$@" 2>&1 | grep --line-buffered -v "falling back to its reference" \
+  | tee -a "$OUT_DIR/train.out"
+status=${PIPESTATUS[0]}
+echo "device_train: exit $status after $(( $(date +%s) - start )) s"
+ls -la "$OUT_DIR" "$OUT_DIR/ckpt" 2>/dev/null
+exit $status

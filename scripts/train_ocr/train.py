@@ -1,0 +1,684 @@
+#!/usr/bin/env python3
+"""Train a small Qwen3.5 page-to-Markdown model from scratch on generated pages (transformers + torch).
+
+    python scripts/train_ocr/train.py --out runs/a --minutes 9            # a GPU run (resumes runs/a/ckpt)
+    python scripts/train_ocr/train.py --out runs/b --resume runs/a/ckpt   # resume from another directory
+    python scripts/train_ocr/train.py --out /tmp/smoke --smoke            # a few CPU steps of a tiny model
+
+Model: ``Qwen3_5ForConditionalGeneration`` of a preset size (common.PRESETS: a text decoder with the
+3:1 Gated DeltaNet : attention pattern, Qwen3.5's vision geometry: patch 16, temporal patch 2, merge 2),
+random init. The flash-linear-attention kernels are used by transformers when the `fla` package is
+importable; otherwise its torch reference path runs.
+
+Data: every step's batch is a pure function of (--data-seed, step): a page size and a text budget are
+drawn for the step, then pages ``page_seed("train", step * 64 + j, data_seed)`` are generated (never
+held-out seeds) in DataLoader workers, tokenised as ``ocria_rt.chat.build_multimodal_prompt`` does
+(the package's chat template, image placeholder expanded), right-padded, with M-RoPE positions. The
+images travel as uint8 and are normalised and cut into patches on the device (as ocria_rt.preprocess:
+pages are drawn at sizes that need no resize). Loss: cross-entropy on the answer tokens only (the
+page's Markdown and <|im_end|>).
+
+Optimisation: AdamW (betas 0.9/0.95, weight decay on matrices), linear warm-up then cosine decay to
+--min-lr-ratio at --total-steps (the plan over all runs), gradient clipping, BF16 autocast on CUDA.
+
+Runs are budgeted (--minutes): training stops early enough to evaluate and checkpoint. Checkpoints
+(model, optimizer moments, schedule, step, RNG states, the run history) go to OUT/ckpt (ckpt.py);
+a run resumes from --resume, else from OUT/ckpt when it exists. OUT/log.jsonl gets a line every
+--log-every steps (loss, lr, throughput, data wait) and one per evaluation (CER and table-structure
+exactness of greedy decoding on --eval-pages held-out pages); it carries the previous runs' lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import os
+import random
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import common  # noqa: E402  (sets up the ocria_rt imports)
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import ckpt  # noqa: E402
+from common import MERGE, PATCH, PromptBuilder, synthdoc  # noqa: E402
+
+PAGES_PER_STEP_MAX = 64  # page indices step * 64 + j, j < 64
+
+
+# --------------------------------------------------------------------------- #
+# Data
+# --------------------------------------------------------------------------- #
+@dataclass
+class DataSpec:
+    seed: int = 0
+    batch_tokens: int = 65536  # padded tokens per step (B * L)
+    max_batch: int = 64
+    max_seq: int = 4096
+    long_side: tuple[int, int] = (768, 1024)
+    aspect: tuple[float, float] = (1.25, 1.45)
+    landscape: float = 0.04
+    body_px: tuple[int, int] = (13, 19)
+    chars: tuple[int, int] = (400, 4000)  # per-step text budget range (Markdown characters)
+    curriculum_steps: int = 0  # ramp the budget's upper end from chars[0] * 2 to chars[1] over these steps
+    noise: float = 1.0
+    chars_per_token: float = 2.2  # conservative, to size batches before the pages exist
+
+    def page_config(self, size: tuple[int, int] | None = None, max_chars: int | None = None):
+        return synthdoc.PageConfig(size=size, long_side=tuple(self.long_side), aspect=tuple(self.aspect),
+                                   landscape=self.landscape, body_px=tuple(self.body_px), max_chars=max_chars,
+                                   noise=self.noise)
+
+    def max_pixels(self) -> int:
+        lo, hi = self.long_side
+        short = round(hi / self.aspect[0] / 32) * 32
+        return hi * short
+
+    def step_plan(self, step: int, prompt_len: int) -> tuple[tuple[int, int], int, int]:
+        """(page size, character budget, pages) of a step."""
+        rng = random.Random(f"plan:{self.seed}:{step}")
+        m = 32
+        long = rng.randint(math.ceil(self.long_side[0] / m), self.long_side[1] // m) * m
+        short = max(m, round(long / rng.uniform(*self.aspect) / m) * m)
+        size = (long, short) if rng.random() < self.landscape else (short, long)
+        lo, hi = self.chars
+        if self.curriculum_steps > 0 and step < self.curriculum_steps:
+            hi = int(min(hi, lo * 2 + (hi - lo * 2) * step / self.curriculum_steps))
+        max_chars = int(round(math.exp(rng.uniform(math.log(lo), math.log(max(lo + 1, hi))))))
+        img_tokens = (size[0] // PATCH) * (size[1] // PATCH) // (MERGE * MERGE)
+        est = img_tokens + prompt_len + max_chars / self.chars_per_token + 8
+        est = min(est, self.max_seq)
+        n = int(max(1, min(self.max_batch, PAGES_PER_STEP_MAX, self.batch_tokens // est)))
+        return size, max_chars, n
+
+
+def make_batch(spec: DataSpec, step: int, builder: PromptBuilder) -> dict:
+    """Fresh batch number `step` (the training step's number unless --reuse > 1): uint8 images,
+    right-padded ids / labels / M-RoPE positions."""
+    size, max_chars, n = spec.step_plan(step, len(builder.prompt_ids))
+    cfg = spec.page_config(size=size, max_chars=max_chars)
+    w, h = size
+    gh, gw = h // PATCH, w // PATCH
+    prompt = builder.prompt(gh, gw)
+    pad_id = builder.ids["<|endoftext|>"]
+    img_id = builder.ids["<|image_pad|>"]
+    images, seqs, labs, n_ans, chars = [], [], [], 0, 0
+    for j in range(n):
+        img, md, meta = synthdoc.generate_page(synthdoc.page_seed("train", step * PAGES_PER_STEP_MAX + j, spec.seed), cfg)
+        ans = builder.answer(md)[: max(1, spec.max_seq - len(prompt))]
+        images.append(np.asarray(img, dtype=np.uint8))
+        seqs.append(prompt + ans)
+        labs.append([-100] * len(prompt) + ans)
+        n_ans += len(ans)
+        chars += len(md)
+    L = max(len(s) for s in seqs)
+    L = int(math.ceil(L / 64) * 64)
+    ids = np.full((n, L), pad_id, dtype=np.int64)
+    labels = np.full((n, L), -100, dtype=np.int64)
+    pos = np.zeros((3, n, L), dtype=np.int64)
+    base = common.mrope_positions(prompt, img_id, gh, gw)
+    for i, (s, lab) in enumerate(zip(seqs, labs)):
+        ids[i, : len(s)] = s
+        labels[i, : len(lab)] = lab
+        pos[:, i, : len(prompt)] = base
+        nxt = base[0, -1] + 1
+        pos[:, i, len(prompt):] = nxt + np.arange(L - len(prompt))
+    return {"step": step, "images": torch.from_numpy(np.stack(images)), "input_ids": torch.from_numpy(ids),
+            "labels": torch.from_numpy(labels), "position_ids": torch.from_numpy(pos),
+            "tokens": sum(len(s) for s in seqs), "answer_tokens": n_ans, "chars": chars, "pages": n}
+
+
+class StepBatches(torch.utils.data.IterableDataset):
+    """Batches of steps start, start + 1, ...: worker w makes steps start + w + k * workers, and the
+    DataLoader hands them out round-robin, so batches arrive in step order."""
+
+    def __init__(self, spec: DataSpec, start: int, tok_dir: str) -> None:
+        self.spec, self.start, self.tok_dir = spec, start, tok_dir
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info else (0, 1)
+        builder = PromptBuilder(Path(self.tok_dir))
+        s = self.start + wid
+        while True:
+            yield make_batch(self.spec, s, builder)
+            s += nw
+
+
+def pixels_on_device(images: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 [B, H, W, 3] -> (pixel_values [B*gh*gw, 3*2*16*16] float32, image_grid_thw [B, 3]) exactly
+    as ocria_rt.preprocess / transformers' processor order them (mean = std = 0.5, no resize)."""
+    x = images.to(device, non_blocking=True).permute(0, 3, 1, 2).float()
+    x = x * (2.0 / 255.0) - 1.0
+    b, c, h, w = x.shape
+    gh, gw = h // PATCH, w // PATCH
+    x = x.reshape(b, c, gh // MERGE, MERGE, PATCH, gw // MERGE, MERGE, PATCH)
+    x = x.permute(0, 2, 5, 3, 6, 1, 4, 7)  # b, block_row, block_col, in_row, in_col, C, patch_row, patch_col
+    x = x.unsqueeze(6).expand(*x.shape[:6], 2, PATCH, PATCH)
+    pv = x.reshape(b * gh * gw, c * 2 * PATCH * PATCH)
+    grid = torch.tensor([[1, gh, gw]] * b, dtype=torch.long, device=device)
+    return pv, grid
+
+
+# --------------------------------------------------------------------------- #
+# Schedule, model, optimizer
+# --------------------------------------------------------------------------- #
+@dataclass
+class Schedule:
+    lr: float = 1.5e-3
+    warmup: int = 500
+    total_steps: int = 30000
+    min_lr_ratio: float = 0.05
+    rewarm: int = 0  # after a resume from approximate moments: ramp over this many steps
+    rewarm_from: int = 0
+
+    def at(self, step: int) -> float:
+        if step < self.warmup:
+            f = (step + 1) / self.warmup
+        else:
+            t = min(1.0, (step - self.warmup) / max(1, self.total_steps - self.warmup))
+            f = self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+        if self.rewarm and self.rewarm_from <= step < self.rewarm_from + self.rewarm:
+            f *= (step - self.rewarm_from + 1) / self.rewarm
+        return self.lr * f
+
+
+def build_model(config, attn: str):
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    config._attn_implementation = attn
+    config.text_config.use_cache = False
+    model = Qwen3_5ForConditionalGeneration(config)
+    return model
+
+
+def make_optimizer(model: torch.nn.Module, sched: Schedule, weight_decay: float, device: torch.device):
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (decay if (p.ndim >= 2 and "embed" not in name and "pos_embed" not in name) else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    kw = {"fused": True} if device.type == "cuda" else {}
+    return torch.optim.AdamW(groups, lr=sched.at(0), betas=(0.9, 0.95), eps=1e-8, **kw)
+
+
+def rng_state() -> dict:
+    import base64
+
+    def enc(t: torch.Tensor) -> str:
+        return base64.b64encode(t.cpu().numpy().tobytes()).decode()
+
+    version, internal, gauss = random.getstate()
+    st = {"torch": enc(torch.get_rng_state()), "python": [version, list(internal), gauss]}
+    if torch.cuda.is_available():
+        st["cuda"] = [enc(s) for s in torch.cuda.get_rng_state_all()]
+    return st
+
+
+def set_rng_state(st: dict) -> None:
+    import base64
+
+    def dec(s: str) -> torch.Tensor:
+        return torch.from_numpy(np.frombuffer(base64.b64decode(s), dtype=np.uint8).copy())
+
+    torch.set_rng_state(dec(st["torch"]))
+    version, internal, gauss = st["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if torch.cuda.is_available() and "cuda" in st and len(st["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all([dec(s) for s in st["cuda"]])
+
+
+def gdn_self_check(model, device: torch.device, autocast: bool, tol: float = 0.05) -> dict:
+    """Where transformers picked flash-linear-attention's kernels, checks one Gated DeltaNet layer
+    (forward and input gradient, BF16 autocast) against transformers' torch reference; on an error or
+    a relative difference above `tol`, switches the model to the reference (slower, correct)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
+
+    chunk, recur = mq.torch_chunk_gated_delta_rule, mq.torch_recurrent_gated_delta_rule
+    ref_chunk, ref_recur = getattr(chunk, "__wrapped__", None), getattr(recur, "__wrapped__", None)
+    impl = gdn_implementation(chunk)
+    if ref_chunk is None or not impl.startswith("fla"):
+        return {"gdn_kernels": f"torch reference ({impl}; {fla_status()})"}
+    layer = next(lay.linear_attn for lay in model.model.language_model.layers if hasattr(lay, "linear_attn"))
+    g = torch.Generator(device="cpu").manual_seed(1)
+    x0 = torch.randn(2, 300, layer.hidden_size, generator=g).to(device)
+
+    def run():
+        x = x0.clone().requires_grad_(True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            y = layer(x)
+        y.float().square().mean().backward()
+        model.zero_grad(set_to_none=True)
+        return y.detach().float(), x.grad.detach().float()
+
+    def rel(a, b):
+        return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+    try:
+        y_k, g_k = run()
+        mq.torch_chunk_gated_delta_rule = ref_chunk
+        y_r, g_r = run()
+        errs = {"out": rel(y_k, y_r), "grad": rel(g_k, g_r)}
+    except Exception as e:  # noqa: BLE001 - any kernel failure means: use the reference
+        mq.torch_chunk_gated_delta_rule, mq.torch_recurrent_gated_delta_rule = ref_chunk, ref_recur or recur
+        return {"gdn_kernels": "torch reference (flash-linear-attention failed)", "error": f"{type(e).__name__}: {e}"[:300]}
+    if max(errs.values()) > tol:
+        mq.torch_recurrent_gated_delta_rule = ref_recur or recur
+        return {"gdn_kernels": "torch reference (flash-linear-attention disagreed)", "rel_err": errs}
+    mq.torch_chunk_gated_delta_rule = chunk
+    return {"gdn_kernels": f"{impl} ({fla_status()})", "rel_err_vs_torch": errs}
+
+
+def gdn_implementation(fn) -> str:
+    """The module of the function transformers' kernel wrapper calls (fla.* or transformers' own)."""
+    import inspect
+
+    try:
+        impl = inspect.getclosurevars(fn).nonlocals.get("implementation", fn)
+    except (TypeError, ValueError):
+        impl = fn
+    return f"{getattr(impl, '__module__', '?')}.{getattr(impl, '__name__', '?')}"
+
+
+def fla_status() -> str:
+    try:
+        import fla  # noqa: F401
+
+        return f"flash-linear-attention {getattr(fla, '__version__', '?')}"
+    except Exception as e:  # noqa: BLE001
+        return f"torch reference ({type(e).__name__})"
+
+
+# --------------------------------------------------------------------------- #
+# Evaluation: greedy decoding of held-out pages
+# --------------------------------------------------------------------------- #
+@torch.no_grad()
+def greedy_markdown(model, builder: PromptBuilder, images: list, device, max_new_tokens: int,
+                    autocast: bool, return_ids: bool = False, return_logits: bool = False) -> list:
+    """Greedy answers for page images (PIL) in one left-padded batch, through transformers' generate."""
+    from transformers import GenerationConfig
+
+    pad = builder.ids["<|endoftext|>"]
+    img_id = builder.ids["<|image_pad|>"]
+    prompts, pvs, grids = [], [], []
+    for im in images:
+        arr = torch.from_numpy(np.array(im.convert("RGB"), dtype=np.uint8))[None]
+        pv, grid = pixels_on_device(arr, device)
+        pvs.append(pv)
+        grids.append(grid)
+        prompts.append(builder.prompt(int(grid[0, 1]), int(grid[0, 2])))
+    L = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), L), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), L), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, L - len(p):] = torch.tensor(p)
+        mask[i, L - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    gc = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, num_beams=1,
+                          eos_token_id=[builder.ids["<|im_end|>"], builder.ids["<|endoftext|>"]], pad_token_id=pad,
+                          bos_token_id=None, use_cache=True)
+    was_training = model.training
+    model.eval()
+    model.model.rope_deltas = None
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+        out = model.generate(input_ids=ids, attention_mask=mask, pixel_values=torch.cat(pvs),
+                             image_grid_thw=torch.cat(grids), mm_token_type_ids=(ids == img_id).int(),
+                             generation_config=gc, return_dict_in_generate=True, output_logits=return_logits)
+    model.model.rope_deltas = None
+    model.train(was_training)
+    if return_logits:  # [steps, B, V] float32
+        return torch.stack([lg.float() for lg in out.logits]).cpu()
+    rows = out.sequences[:, L:].tolist()
+    if return_ids:
+        return rows
+    return [builder.tok.decode(row, skip_special_tokens=True).strip() for row in rows]
+
+
+def evaluate(model, builder, pages, device, autocast: bool, batch: int, max_new: int) -> dict:
+    t0 = time.perf_counter()
+    scores, samples = [], []
+    for i in range(0, len(pages), batch):
+        chunk = pages[i:i + batch]
+        need = max(len(builder.answer(md)) for _, md, _ in chunk)
+        preds = greedy_markdown(model, builder, [im for im, _, _ in chunk], device,
+                                min(max_new, int(need * 1.25) + 16), autocast)
+        for (im, md, meta), pred in zip(chunk, preds):
+            scores.append(synthdoc.score_page(pred, md))
+            if len(samples) < 2:
+                samples.append({"seed": meta["seed"], "pred": pred[:400], "ref": md[:400]})
+    out = synthdoc.summarize(scores)
+    out.update(seconds=round(time.perf_counter() - t0, 2), samples=samples)
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# Main
+# --------------------------------------------------------------------------- #
+@dataclass
+class RunState:
+    step: int = 0
+    batches: int = 0  # fresh batches consumed (= step unless --reuse > 1)
+    pages: int = 0
+    tokens: int = 0
+    answer_tokens: int = 0
+    train_seconds: float = 0.0
+    runs: list = field(default_factory=list)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="run directory: log.jsonl and ckpt/")
+    ap.add_argument("--resume", type=Path, default=None, help="checkpoint directory (default: OUT/ckpt if present)")
+    ap.add_argument("--fresh", action="store_true", help="ignore OUT/ckpt and start from scratch")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, tiny pages, CPU-sized: proves the machinery")
+    ap.add_argument("--preset", default="small", choices=sorted(common.PRESETS))
+    ap.add_argument("--tokenizer", type=Path, default=common.DEFAULT_TOKENIZER_DIR)
+    ap.add_argument("--minutes", type=float, default=0.0, help="wall-clock budget of this run (0: none)")
+    ap.add_argument("--max-steps", type=int, default=0, help="stop at this global step (0: none)")
+    ap.add_argument("--lr", type=float, default=None, help="peak LR (default 1.5e-3; a resumed run keeps its own)")
+    ap.add_argument("--warmup", type=int, default=500)
+    ap.add_argument("--total-steps", type=int, default=None,
+                    help="the cosine schedule's length over all runs (default 30000; a resumed run keeps its own)")
+    ap.add_argument("--min-lr-ratio", type=float, default=None, help="final LR / peak (default 0.05)")
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--clip", type=float, default=1.0)
+    ap.add_argument("--batch-tokens", type=int, default=None,
+                    help="padded tokens per fresh batch (default 65536; a resumed run keeps its own unless given)")
+    ap.add_argument("--max-seq", type=int, default=4096)
+    ap.add_argument("--chars", type=int, nargs=2, default=(400, 4000), metavar=("LO", "HI"))
+    ap.add_argument("--long-side", type=int, nargs=2, default=(768, 1024), metavar=("LO", "HI"))
+    ap.add_argument("--curriculum-steps", type=int, default=2000)
+    ap.add_argument("--reuse", type=int, default=1,
+                    help="steps per fresh batch: the others replay one of the last --replay-batches (when data-bound)")
+    ap.add_argument("--replay-batches", type=int, default=8)
+    ap.add_argument("--data-seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="model initialisation")
+    ap.add_argument("--workers", type=int, default=-1, help="DataLoader workers (-1: CPUs - 1)")
+    ap.add_argument("--log-every", type=int, default=25)
+    ap.add_argument("--eval-every-minutes", type=float, default=4.0)
+    ap.add_argument("--eval-pages", type=int, default=8)
+    ap.add_argument("--eval-batch", type=int, default=8)
+    ap.add_argument("--eval-max-new", type=int, default=2048)
+    ap.add_argument("--eval-seed", type=int, default=0)
+    ap.add_argument("--ckpt-every-minutes", type=float, default=4.0)
+    ap.add_argument("--ckpt-format", default="compact", choices=["compact", "full"])
+    ap.add_argument("--rewarm", type=int, default=50, help="LR re-warm-up steps after resuming a compact checkpoint")
+    ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
+    ap.add_argument("--gdn", default="auto", choices=["auto", "torch"],
+                    help="auto: flash-linear-attention when importable and it agrees with the torch reference")
+    ap.add_argument("--device", default="auto")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.preset = "smoke"
+        args.batch_tokens = min(args.batch_tokens or 1536, 1536)
+        args.max_seq = min(args.max_seq, 640)
+        args.chars = (60, 200)
+        args.long_side = (256, 320)
+        args.warmup = min(args.warmup, 4)
+        args.total_steps = args.total_steps or 50
+        args.curriculum_steps = 0
+        args.eval_pages = min(args.eval_pages, 2)
+        args.eval_batch = min(args.eval_batch, 2)
+        args.eval_max_new = min(args.eval_max_new, 24)
+        args.log_every = 1
+        if args.workers < 0:
+            args.workers = 2
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    deadline = t_start + args.minutes * 60 if args.minutes > 0 else math.inf
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    autocast = device.type == "cuda"
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    log_path = out / "log.jsonl"
+    ckpt_dir = out / "ckpt"
+
+    resume = args.resume
+    if resume is None and not args.fresh and (ckpt_dir / "state.json").exists():
+        resume = ckpt_dir
+
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    from transformers import Qwen3_5Config
+
+    # ---- what to train: from the checkpoint, or fresh ----
+    if resume is not None:
+        saved, tensors = ckpt.load(resume)
+        import tempfile
+
+        tok_dir = Path(tempfile.mkdtemp(prefix="ocr-tokenizer-"))  # not under OUT: what comes back is counted
+        for name, text in saved["tokenizer_files"].items():
+            (tok_dir / name).write_text(text)
+        config = Qwen3_5Config.from_dict(saved["model_config"])
+        spec = DataSpec(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in saved["data"].items()})
+        sched = Schedule(**saved["schedule"])
+        # a run may change the plan's length, peak LR or final LR ratio
+        for k in ("total_steps", "lr", "min_lr_ratio"):
+            if getattr(args, k) is not None:
+                setattr(sched, k, getattr(args, k))
+        if args.batch_tokens is not None:
+            spec.batch_tokens = args.batch_tokens
+        rs = RunState(**{"batches": saved["run"]["step"], **saved["run"]})
+        preset = saved.get("preset", "?")
+        if log_path.resolve() != (Path(resume) / "log.jsonl").resolve() and (Path(resume) / "log.jsonl").exists():
+            if not log_path.exists() or log_path.stat().st_size == 0:
+                log_path.write_bytes((Path(resume) / "log.jsonl").read_bytes())
+    else:
+        tok_dir = args.tokenizer
+        tok = common.load_tokenizer(tok_dir)
+        config = common.model_config(args.preset, tok.get_vocab_size(), common.token_ids(tok), max_positions=args.max_seq * 2)
+        spec = DataSpec(seed=args.data_seed, batch_tokens=args.batch_tokens or 65536, max_seq=args.max_seq,
+                        long_side=tuple(args.long_side), chars=tuple(args.chars),
+                        curriculum_steps=args.curriculum_steps)
+        sched = Schedule(lr=args.lr or 1.5e-3, warmup=args.warmup, total_steps=args.total_steps or 30000,
+                         min_lr_ratio=0.05 if args.min_lr_ratio is None else args.min_lr_ratio)
+        rs = RunState()
+        preset = args.preset
+        saved, tensors = None, None
+        if args.fresh and log_path.exists():
+            log_path.unlink()
+
+    builder = PromptBuilder(tok_dir)
+    torch.manual_seed(args.seed)
+    model = build_model(config, args.attn)
+    if tensors is not None:
+        missing, unexpected = model.load_state_dict(ckpt.model_weights(tensors), strict=False)
+        assert not unexpected and all(k == "lm_head.weight" for k in missing), (missing, unexpected)
+        if config.tie_word_embeddings:
+            model.tie_weights()
+    model.to(device)
+    model.train()
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = make_optimizer(model, sched, args.weight_decay, device)
+    if saved is not None:
+        restored = ckpt.restore_optimizer(model, opt, tensors, rs.step, saved["format"])
+        if saved["format"] == "compact" and args.rewarm > 0:
+            sched.rewarm, sched.rewarm_from = args.rewarm, rs.step
+        set_rng_state(saved["rng"])
+    else:
+        restored = 0
+
+    def log(rec: dict) -> None:
+        rec = {"time": round(time.time(), 1), **rec}
+        with open(log_path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    gdn = gdn_self_check(model, device, autocast) if args.gdn == "auto" else {"gdn_kernels": "torch reference (forced)"}
+    if args.gdn == "torch":
+        from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
+
+        for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+            fn = getattr(mq, name)
+            setattr(mq, name, getattr(fn, "__wrapped__", fn))
+    run_info = {"event": "start", "step": rs.step, "preset": preset, "params": n_params, "device": str(device),
+                **gdn, "resumed_from": str(resume) if resume else None,
+                "optimizer_tensors_restored": restored, "torch": torch.__version__,
+                "transformers": transformers.__version__, "schedule": asdict(sched), "data": asdict(spec),
+                "minutes": args.minutes}
+    if device.type == "cuda":
+        run_info["gpu"] = torch.cuda.get_device_name()
+    log(run_info)
+    print(json.dumps({k: v for k, v in run_info.items() if k not in ("data",)}), flush=True)
+
+    # ---- held-out pages for the metric (same page distribution as training) ----
+    eval_pages = list(synthdoc.iter_dataset("heldout", args.eval_pages, args.eval_seed,
+                                            spec.page_config(max_chars=spec.chars[1]))) if args.eval_pages else []
+
+    workers = (os.cpu_count() or 2) - 1 if args.workers < 0 else args.workers
+    loader = torch.utils.data.DataLoader(
+        StepBatches(spec, rs.batches, str(tok_dir)), batch_size=None, num_workers=workers,
+        pin_memory=device.type == "cuda", prefetch_factor=2 if workers else None, persistent_workers=False)
+
+    def save_ckpt(reason: str) -> float:
+        t0 = time.perf_counter()
+        state = {
+            "preset": preset, "model_config": config.to_dict(), "schedule": asdict(sched), "data": asdict(spec),
+            "run": asdict(rs), "rng": rng_state(),
+            "tokenizer_files": {n: (Path(tok_dir) / n).read_text() for n in ("tokenizer.json", "tokenizer_config.json")},
+            "preprocessor_config": common.preprocessor_config(spec.max_pixels()),
+        }
+        files = ckpt.save(ckpt_dir, model, opt, state, fmt=args.ckpt_format, extra_files={"log.jsonl": log_path})
+        dt = time.perf_counter() - t0
+        size = sum(f.stat().st_size for f in files)
+        log({"event": "checkpoint", "step": rs.step, "reason": reason, "bytes": size, "files": len(files),
+             "seconds": round(dt, 2)})
+        print(f"checkpoint step {rs.step} ({reason}): {size / 2**20:.1f} MiB in {len(files)} files, {dt:.1f} s", flush=True)
+        return dt
+
+    def run_eval() -> float:
+        if not eval_pages:
+            return 0.0
+        t0 = time.perf_counter()
+        try:
+            r = evaluate(model, builder, eval_pages, device, autocast, args.eval_batch, args.eval_max_new)
+        except Exception as e:  # noqa: BLE001 - a failing metric must not lose the run
+            model.train()
+            msg = f"{type(e).__name__}: {e}"[:500]
+            log({"event": "eval_error", "step": rs.step, "error": msg})
+            print(f"eval failed at step {rs.step}: {msg}", flush=True)
+            return time.perf_counter() - t0
+        log({"event": "eval", "step": rs.step, **r})
+        print(f"eval step {rs.step}: cer {r['cer']:.4f} (micro {r['cer_micro']:.4f}), tables "
+              f"{r['tables_exact']}/{r['tables']}, {r['seconds']:.1f} s", flush=True)
+        return r["seconds"]
+
+    stop = {"flag": False}
+
+    def on_signal(signum, frame):  # noqa: ARG001
+        stop["flag"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    eval_cost, ckpt_cost = (30.0 if device.type == "cuda" else 5.0), 5.0
+    last_eval = last_ckpt = time.perf_counter()
+    win = {"t": time.perf_counter(), "tok": 0, "ans": 0, "pages": 0, "wait": 0.0, "loss": 0.0, "n": 0}
+    start_step = rs.step
+    replay: collections.deque = collections.deque(maxlen=max(1, args.replay_batches))
+    it = iter(loader)
+    run_t0 = time.perf_counter()
+    while True:
+        if args.max_steps and rs.step >= args.max_steps:
+            break
+        if stop["flag"]:
+            break
+        now = time.perf_counter()
+        if now + eval_cost + ckpt_cost + 20.0 > deadline:
+            break
+        if now - last_eval > args.eval_every_minutes * 60 and rs.step > start_step:
+            eval_cost = max(run_eval(), 1.0)
+            last_eval = time.perf_counter()
+        if now - last_ckpt > args.ckpt_every_minutes * 60 and rs.step > start_step:
+            ckpt_cost = max(save_ckpt("periodic"), 1.0)
+            last_ckpt = time.perf_counter()
+
+        t0 = time.perf_counter()
+        if args.reuse > 1 and rs.step % args.reuse and replay:  # a recent batch again (data-bound runs)
+            batch = replay[random.Random(f"replay:{spec.seed}:{rs.step}").randrange(len(replay))]
+        else:
+            batch = next(it)
+            assert batch["step"] == rs.batches, (batch["step"], rs.batches)
+            rs.batches += 1
+            if args.reuse > 1:
+                replay.append(batch)
+        win["wait"] += time.perf_counter() - t0
+        lr = sched.at(rs.step)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        ids = batch["input_ids"].to(device, non_blocking=True)
+        labels = batch["labels"].to(device, non_blocking=True)
+        pos = batch["position_ids"].to(device, non_blocking=True)
+        pv, grid = pixels_on_device(batch["images"], device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            hidden = model.model(input_ids=ids, pixel_values=pv, image_grid_thw=grid, position_ids=pos,
+                                 use_cache=False).last_hidden_state
+            tgt = labels[:, 1:]
+            sel = tgt != -100
+            logits = model.lm_head(hidden[:, :-1][sel])
+        loss = F.cross_entropy(logits.float(), tgt[sel])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        opt.step()
+        rs.step += 1
+        rs.pages += batch["pages"]
+        rs.tokens += batch["tokens"]
+        rs.answer_tokens += batch["answer_tokens"]
+        win["tok"] += batch["tokens"]
+        win["ans"] += batch["answer_tokens"]
+        win["pages"] += batch["pages"]
+        win["loss"] += float(loss.detach())
+        win["n"] += 1
+        if rs.step % args.log_every == 0 or rs.step == 1:
+            dt = time.perf_counter() - win["t"]
+            rec = {"event": "train", "step": rs.step, "loss": round(win["loss"] / win["n"], 5), "lr": lr,
+                   "grad_norm": round(float(gnorm), 4), "tokens_per_s": round(win["tok"] / dt),
+                   "answer_tokens_per_s": round(win["ans"] / dt), "pages_per_s": round(win["pages"] / dt, 2),
+                   "steps_per_s": round(win["n"] / dt, 3), "data_wait_frac": round(win["wait"] / dt, 3),
+                   "batch_pages": batch["pages"], "seq_len": int(ids.shape[1]), "image_hw": list(batch["images"].shape[1:3])}
+            if device.type == "cuda":
+                rec["max_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+            log(rec)
+            print(json.dumps(rec), flush=True)
+            win = {"t": time.perf_counter(), "tok": 0, "ans": 0, "pages": 0, "wait": 0.0, "loss": 0.0, "n": 0}
+    rs.train_seconds += time.perf_counter() - run_t0
+    steps = rs.step - start_step
+    final = {}
+    if steps > 0:
+        run_eval()
+    rs.runs.append({"from_step": start_step, "to_step": rs.step, "seconds": round(time.perf_counter() - t_start, 1),
+                    "device": str(device)})
+    if steps > 0 or resume is None:
+        save_ckpt("end")
+    elapsed = time.perf_counter() - t_start
+    final = {"event": "end", "step": rs.step, "steps_this_run": steps, "seconds": round(elapsed, 1),
+             "steps_per_s": round(steps / max(1e-9, time.perf_counter() - run_t0), 3)}
+    log(final)
+    if (ckpt_dir / "state.json").exists():  # the checkpoint carries the whole log, this run's end included
+        import shutil
+
+        shutil.copyfile(log_path, ckpt_dir / "log.jsonl")
+    print(json.dumps(final), flush=True)
+    del it, loader
+    return {"model": model, "final": final, "run": rs}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""The synthetic document generator (ocria_rt.synthdoc): determinism, Markdown that round-trips, splits,
+speed per layout, and the scoring functions. Needs numpy and Pillow; faker only for its own test."""
+
+from __future__ import annotations
+
+import random
+import time
+from html.parser import HTMLParser
+
+import numpy as np
+import pytest
+
+from ocria_rt import synthdoc
+from ocria_rt.synthdoc import LAYOUTS, PageConfig, generate_page, iter_dataset, page_seed
+
+
+def _pixels(img) -> bytes:
+    return np.asarray(img).tobytes()
+
+
+class _Tables(HTMLParser):
+    """Rows and cells of every <table>, with the stdlib's html.parser (independent of synthdoc.metrics)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables: list[list[list[str]]] = []
+        self.depth = 0
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "table":
+            self.tables.append([])
+            self.depth += 1
+        elif tag == "tr":
+            self.tables[-1].append([])
+        elif tag in ("td", "th"):
+            self.tables[-1][-1].append(tag)
+
+    def handle_endtag(self, tag):
+        if tag == "table":
+            self.depth -= 1
+
+
+def _parse(md: str) -> list[list[list[str]]]:
+    p = _Tables()
+    p.feed(md)
+    p.close()
+    assert p.depth == 0, "unclosed <table>"
+    return p.tables
+
+
+def test_same_seed_same_page():
+    for seed in (0, 17, page_seed("heldout", 3)):
+        for cfg in (None, PageConfig(layout="invoice"), PageConfig(layout="two_column", noise=0.0)):
+            a = generate_page(seed, cfg)
+            b = generate_page(seed, cfg)
+            assert a[1] == b[1]
+            assert a[0].size == b[0].size and _pixels(a[0]) == _pixels(b[0])
+            assert a[2] == b[2]
+
+
+def test_different_seeds_differ():
+    pages = [generate_page(s) for s in range(6)]
+    assert len({md for _, md, _ in pages}) == 6
+    assert len({_pixels(img) for img, _, _ in pages}) == 6
+
+
+def test_markdown_without_render_is_the_same():
+    for seed in range(5):
+        _, md, meta = generate_page(seed)
+        img, md2, meta2 = generate_page(seed, PageConfig(render=False))
+        assert img is None and md2 == md
+        assert meta2["tables"] == meta["tables"]
+
+
+def test_tables_parse_as_html_with_the_stated_shape():
+    n_tables = 0
+    for i in range(12):
+        _, md, meta = generate_page(page_seed("train", i, 5), PageConfig(layout="report" if i % 3 else "invoice"))
+        tables = _parse(md)
+        assert len(tables) == len(meta["tables"]) == md.count("<table>")
+        for t, info in zip(tables, meta["tables"]):
+            assert len(t) == info["rows"] >= 2
+            assert all(len(row) == info["cols"] for row in t)
+            assert (t[0][0] == "th") == info["header"]
+            assert all(tag == "td" for row in t[1:] for tag in row)
+        n_tables += len(tables)
+    assert n_tables >= 8
+
+
+def test_splits_never_overlap():
+    train = {page_seed("train", i, s) for s in (0, 1, 7) for i in range(2000)}
+    held = {page_seed("heldout", i, s) for s in (0, 1, 7) for i in range(2000)}
+    assert len(train) == 6000 and len(held) == 6000 and not train & held
+    assert all(synthdoc.split_of(x) == "train" for x in train)
+    seeds = [meta["seed"] for _, _, meta in iter_dataset("heldout", 3, seed=0, config=PageConfig(render=False))]
+    assert seeds == [page_seed("heldout", i, 0) for i in range(3)] and all(s % 2 == 1 for s in seeds)
+    with pytest.raises(ValueError):
+        page_seed("test", 0)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_layout_renders_fast(layout):
+    generate_page(0, PageConfig(layout=layout))  # warm the font caches
+    for k in range(3):
+        t0 = time.perf_counter()
+        img, md, meta = generate_page(page_seed("train", k, 11), PageConfig(layout=layout))
+        dt = time.perf_counter() - t0
+        assert dt < 1.0, f"{layout}: {dt:.2f} s"
+        w, h = img.size
+        assert img.mode == "RGB" and w % 32 == 0 and h % 32 == 0 and 768 <= max(w, h) <= 1024
+        assert meta["layout"] == layout and len(md) > 100
+        assert "\n\n\n" not in md and md == md.strip()
+        assert md.count("**") % 2 == 0
+
+
+def test_config_size_budget_and_pillow_font():
+    img, md, meta = generate_page(3, PageConfig(size=(512, 640), max_chars=400, fonts="pillow", noise=0.0))
+    assert img.size == (512, 640) and len(md) <= 400
+    assert meta["font_family"].startswith("Pillow")
+    assert all(32 <= ord(ch) < 127 or ch == "\n" for ch in md), "Pillow's font draws ASCII only"
+    with pytest.raises(ValueError):
+        generate_page(3, PageConfig(size=(500, 640)))
+
+
+def test_builtin_words_without_faker():
+    _, md, meta = generate_page(4, PageConfig(use_faker=False, layout="article"))
+    assert not meta["faker"] and len(md) > 100
+
+
+@pytest.mark.skipif(not synthdoc.faker_available(), reason="faker is not installed")
+def test_faker_locales():
+    metas = [generate_page(page_seed("train", i, 2), PageConfig(render=False))[2] for i in range(40)]
+    assert all(m["faker"] for m in metas)
+    assert len({m["locale"] for m in metas}) >= 4
+    _, a, _ = generate_page(9, PageConfig(render=False, locales=("de_DE",), layout="letter"))
+    _, b, _ = generate_page(9, PageConfig(render=False, locales=("de_DE",), layout="letter", use_faker=False))
+    assert a != b
+
+
+def _dp_levenshtein(a: str, b: str) -> int:
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i]
+        for j, cb in enumerate(b, 1):
+            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb)))
+        prev = cur
+    return prev[-1]
+
+
+def test_levenshtein_matches_dynamic_programming():
+    rng = random.Random(0)
+    for _ in range(300):
+        a = "".join(rng.choice("abc d\n") for _ in range(rng.randint(0, 80)))
+        b = "".join(rng.choice("abcd e") for _ in range(rng.randint(0, 80)))
+        assert synthdoc.levenshtein(a, b) == _dp_levenshtein(a, b)
+    assert synthdoc.levenshtein("kitten", "sitting") == 3
+    long_a = "".join(rng.choice("abcdefgh ") for _ in range(300))
+    long_b = long_a[:100] + "xyz" + long_a[140:]
+    assert synthdoc.levenshtein(long_a, long_b) == _dp_levenshtein(long_a, long_b)
+
+
+def test_scores():
+    _, ref, meta = generate_page(21, PageConfig(layout="report", render=False))
+    s = synthdoc.score_page(ref, ref)
+    assert s["cer"] == 0.0 and s["tables"] == len(meta["tables"]) == s["tables_exact"]
+    assert synthdoc.cer("abcd", "abce") == 0.25 and synthdoc.cer("x \n", "x") == 0.0
+    bad = ref.replace("</tr>", "</tr><tr><td>x</td></tr>", 1)
+    if meta["tables"]:
+        assert synthdoc.score_page(bad, ref)["tables_exact"] == len(meta["tables"]) - 1
+    summary = synthdoc.summarize([s, synthdoc.score_page("", ref)])
+    assert summary["pages"] == 2 and summary["cer"] == 0.5
+    structs = synthdoc.table_structures("<table><tr><th>a</th><th colspan='2'>b</th></tr><tr><td>1</td></tr>")
+    assert synthdoc.table_shape(structs[0]) == (2, 3)  # an unclosed table still counts
+
+
+def test_evaluate_with_a_function():
+    refs = {}
+
+    def oracle(image, prompt):
+        # the "model" looks the page up by its pixels and answers perfectly
+        return refs[_pixels(image)]
+
+    for image, md, _ in iter_dataset("heldout", 3, seed=0):
+        refs[_pixels(image)] = md
+    out = synthdoc.evaluate(oracle, n_pages=3, seed=0, prompt="Convert this page to Markdown.")
+    assert out["pages"] == 3 and out["cer"] == 0.0 and out["tables_exact"] == out["tables"]
