@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import _core
+from . import _core as _core
 from .engine import Engine, GenerationResult
 from .pipeline import Document, PageResult, parse
 from .errors import (

@@ -222,7 +222,9 @@ class Engine:
         return list(self.eos_token_ids if stop_token_ids is None else (int(t) for t in stop_token_ids))
 
 
-def _images(pixel_values: np.ndarray | None, image_grid_thw: np.ndarray | None) -> tuple[object, object]:
+def _images(
+    pixel_values: np.ndarray | None, image_grid_thw: np.ndarray | None
+) -> tuple[np.ndarray | None, np.ndarray | None]:
     if pixel_values is None and image_grid_thw is None:
         return None, None
     if pixel_values is None or image_grid_thw is None:

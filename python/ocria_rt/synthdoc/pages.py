@@ -313,8 +313,9 @@ class Content:
                         ("order_no", lambda: ts.code("PO")), ("customer_no", lambda: ts.code("")),
                         ("amount", lambda: ts.amount(ts.money_value())), ("city", ts.city), ("phone", ts.phone)],
         }[kind]
-        k = min(len(fields), rng.randint(*n))
-        chosen = rng.sample(fields, k)
+        field_list: list[tuple[str, Any]] = fields  # type: ignore[assignment]
+        k = min(len(field_list), rng.randint(*n))
+        chosen = rng.sample(field_list, k)
         pairs = []
         for key, fn in chosen:
             value = "" if rng.random() < blanks else fn()
@@ -627,7 +628,8 @@ def compose(seed: int, cfg: PageConfig) -> dict[str, Any]:
     mb = round(h * rng.uniform(0.05, 0.09))
     body_x, body_w = mx, w - 2 * mx
     top, bottom = mt, h - mb
-    header, footers = (None, [])
+    header: Any = None
+    footers: list[Any] = []
     if rng.random() < cfg.furniture:
         header, footers = _furniture(c, rng.randint(1, 40))
     head_laid = header.layout(typo, body_w) if header else None
@@ -655,7 +657,7 @@ def compose(seed: int, cfg: PageConfig) -> dict[str, Any]:
             fy += f.h + typo.size // 2
     blocks = [(x, y, laid) for x, y, laid in page.placed if laid.md]
     md = "\n\n".join(laid.md for _, _, laid in blocks)
-    rules = []
+    rules: list[tuple[str, float, float, float, float, tuple[int, int, int], int]] = []
     if c.header_rule is not None:
         rules.append(("l", body_x, c.header_rule, body_x + body_w, c.header_rule, (120, 120, 120), 1))
     if c.column_rule is not None:

@@ -271,7 +271,7 @@ class TextSource:
     def _group(self, s: str) -> str:
         neg = s.startswith("-")
         s = s.lstrip("-")
-        parts = []
+        parts: list[str] = []
         while len(s) > 3:
             parts.insert(0, s[-3:])
             s = s[:-3]
