@@ -33,6 +33,28 @@ inline float f16_to_float(uint16_t h) {
   return sign ? -v : v;
 }
 
+// Round to nearest even; overflow -> inf, NaN stays NaN.
+inline uint16_t float_to_f16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  uint32_t sign = (u >> 16) & 0x8000u;
+  uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return uint16_t(sign | 0x7e00u);
+  if (a >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // overflow (incl. rounding up) -> inf
+  if (a < 0x38800000u) {                                 // subnormal half or zero
+    if (a < 0x33000000u) return uint16_t(sign);
+    uint32_t e = a >> 23, man = (a & 0x7fffffu) | 0x800000u;
+    uint32_t shift = 126 - e;  // 14 .. 24
+    uint32_t r = man >> shift, rem = man & ((1u << shift) - 1), half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (r & 1u))) ++r;
+    return uint16_t(sign | r);
+  }
+  uint32_t r = a - 0x38000000u;  // rebias exponent 127 -> 15
+  uint32_t out = r >> 13, rem = r & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (out & 1u))) ++out;
+  return uint16_t(sign | out);
+}
+
 // dst[0:n] = src[0:n] converted to fp32 from F32 / BF16 / F16 / I32.
 inline void convert_to_f32(const void* src, DType src_dtype, float* dst, int64_t n) {
   switch (src_dtype) {

@@ -1,6 +1,8 @@
 // CudaBackend: device selection, the stream, the workspace, memory and host <-> device copies.
 #include "ops/cuda/backend.cuh"
 
+#include "core/float_convert.h"
+
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -43,70 +45,14 @@ ParamView param_view(const Tensor& t, const char* op, const char* name) {
 
 namespace {
 
-// ---- host-side dtype conversion for copies ----
-
-float bf16_bits_to_float(uint16_t b) {
-  uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-uint16_t float_to_bf16_bits(float f) {  // round to nearest even, NaN stays NaN
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return uint16_t(u >> 16);
-}
-
-float f16_bits_to_float(uint16_t h) {
-  uint32_t sign = uint32_t(h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu, u;
-  if (exp == 0x1f) {
-    u = sign | 0x7f800000u | (man << 13);
-  } else if (exp == 0) {
-    if (man == 0) {
-      u = sign;
-    } else {  // subnormal: normalise
-      int e = -1;
-      do { man <<= 1; ++e; } while (!(man & 0x400u));
-      u = sign | uint32_t(127 - 15 - e) << 23 | ((man & 0x3ffu) << 13);
-    }
-  } else {
-    u = sign | (exp + 112) << 23 | (man << 13);
-  }
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-uint16_t float_to_f16_bits(float f) {  // round to nearest even
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  uint32_t sign = (u >> 16) & 0x8000u;
-  uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return uint16_t(sign | 0x7e00u);
-  if (a >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // overflow (incl. rounding up) -> inf
-  if (a < 0x38800000u) {                                 // subnormal half or zero
-    if (a < 0x33000000u) return uint16_t(sign);
-    uint32_t e = a >> 23, man = (a & 0x7fffffu) | 0x800000u;
-    uint32_t shift = 126 - e;  // 14 .. 24
-    uint32_t r = man >> shift, rem = man & ((1u << shift) - 1), half = 1u << (shift - 1);
-    if (rem > half || (rem == half && (r & 1u))) ++r;
-    return uint16_t(sign | r);
-  }
-  uint32_t r = a - 0x38000000u;  // rebias exponent 127 -> 15
-  uint32_t out = r >> 13, rem = r & 0x1fffu;
-  if (rem > 0x1000u || (rem == 0x1000u && (out & 1u))) ++out;
-  return uint16_t(sign | out);
-}
+// ---- host-side dtype conversion for copies (scalar conversions: core/float_convert.h) ----
 
 // Reads element i of host data of dtype t as double (exact for all four dtypes).
 double read_host(const void* p, DType t, size_t i) {
   switch (t) {
     case DType::F32: return static_cast<const float*>(p)[i];
-    case DType::BF16: return bf16_bits_to_float(static_cast<const uint16_t*>(p)[i]);
-    case DType::F16: return f16_bits_to_float(static_cast<const uint16_t*>(p)[i]);
+    case DType::BF16: return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+    case DType::F16: return f16_to_float(static_cast<const uint16_t*>(p)[i]);
     case DType::I32: return static_cast<const int32_t*>(p)[i];
   }
   return 0;
@@ -115,8 +61,8 @@ double read_host(const void* p, DType t, size_t i) {
 void write_host(void* p, DType t, size_t i, double v) {
   switch (t) {
     case DType::F32: static_cast<float*>(p)[i] = float(v); break;
-    case DType::BF16: static_cast<uint16_t*>(p)[i] = float_to_bf16_bits(float(v)); break;
-    case DType::F16: static_cast<uint16_t*>(p)[i] = float_to_f16_bits(float(v)); break;
+    case DType::BF16: static_cast<uint16_t*>(p)[i] = float_to_bf16(float(v)); break;
+    case DType::F16: static_cast<uint16_t*>(p)[i] = float_to_f16(float(v)); break;
     case DType::I32: static_cast<int32_t*>(p)[i] = int32_t(v); break;
   }
 }
@@ -128,11 +74,11 @@ void convert_host(void* dst, DType dst_t, const void* src, DType src_t, size_t n
   } else if (src_t == DType::F32 && dst_t == DType::BF16) {
     auto* d = static_cast<uint16_t*>(dst);
     auto* s = static_cast<const float*>(src);
-    for (size_t i = 0; i < n; ++i) d[i] = float_to_bf16_bits(s[i]);
+    for (size_t i = 0; i < n; ++i) d[i] = float_to_bf16(s[i]);
   } else if (src_t == DType::BF16 && dst_t == DType::F32) {
     auto* d = static_cast<float*>(dst);
     auto* s = static_cast<const uint16_t*>(src);
-    for (size_t i = 0; i < n; ++i) d[i] = bf16_bits_to_float(s[i]);
+    for (size_t i = 0; i < n; ++i) d[i] = bf16_to_float(s[i]);
   } else {
     for (size_t i = 0; i < n; ++i) write_host(dst, dst_t, i, read_host(src, src_t, i));
   }
