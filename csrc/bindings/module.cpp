@@ -12,7 +12,7 @@ namespace py = pybind11;
 using namespace ocria_rt;
 
 void register_op_runner(py::module_& m);     // op_runner.cpp
-void register_kernel_bench(py::module_& m);  // cuda_bench.cpp
+void register_kernel_bench(py::module_& m);  // kernel_bench.cpp
 
 namespace {
 
