@@ -8,10 +8,7 @@ namespace {
 
 // Zero-centred RMSNorm of one head, in place: x * rsqrt(mean(x^2) + eps) * (1 + w).
 void head_norm(float* x, const float* w, int64_t n, float eps) {
-  double ss = 0;
-  for (int64_t i = 0; i < n; ++i) ss += double(x[i]) * x[i];
-  const float inv = 1.0f / std::sqrt(float(ss / double(n)) + eps);
-  for (int64_t i = 0; i < n; ++i) x[i] = x[i] * inv * (1.0f + w[i]);
+  rms_normalise(x, x, n, eps, [&](int64_t i) { return 1.0f + w[i]; });
 }
 
 // Which of the (t, h, w) positions frequency j follows under interleaved M-RoPE (see ops.h).

@@ -69,6 +69,15 @@ inline const int32_t* ids_i32(const Tensor& t) { return t.ptr<const int32_t>(); 
 // Throws Error(kInternal) unless t is an F32 tensor on the CPU.
 void expect_cpu_f32(const Tensor& t, const char* what);
 
+// y = x * rsqrt(mean(x^2) + eps) * scale(i), over n elements (y may be x).
+template <class Scale>
+void rms_normalise(const float* x, float* y, int64_t n, float eps, Scale scale) {
+  double ss = 0;
+  for (int64_t i = 0; i < n; ++i) ss += double(x[i]) * x[i];
+  const float inv = 1.0f / std::sqrt(float(ss / double(n)) + eps);
+  for (int64_t i = 0; i < n; ++i) y[i] = x[i] * inv * scale(i);
+}
+
 inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 

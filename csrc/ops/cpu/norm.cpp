@@ -2,19 +2,6 @@
 
 namespace ocria_rt {
 
-namespace {
-
-// y = x * rsqrt(mean(x^2) + eps) * scale(w), over n elements.
-template <class Scale>
-void rms_normalise(const float* x, float* y, int64_t n, float eps, Scale scale) {
-  double ss = 0;
-  for (int64_t i = 0; i < n; ++i) ss += double(x[i]) * x[i];
-  const float inv = 1.0f / std::sqrt(float(ss / double(n)) + eps);
-  for (int64_t i = 0; i < n; ++i) y[i] = x[i] * inv * scale(i);
-}
-
-}  // namespace
-
 void CpuBackend::rms_norm(const Tensor& x, const Tensor& weight, const Tensor& out, float eps) {
   expect_cpu_f32(x, "rms_norm input");
   const int64_t D = weight.dim(0), R = x.numel() / D;
