@@ -72,9 +72,9 @@ void CudaBackend::add(const Tensor& residual, const Tensor& delta) {
   require_tensor(delta, residual.dtype, op, "delta");
   const int64_t T = residual.ndim <= 1 ? 1 : residual.dim(0);
   const int64_t D = residual.ndim <= 1 ? residual.numel() : residual.row_size();
-  require(delta.numel() == T * D && (delta.ndim <= 1 ? 1 : delta.dim(0)) == T, op,
+  OCRIA_RT_REQUIRE(delta.numel() == T * D && (delta.ndim <= 1 ? 1 : delta.dim(0)) == T, op,
           "residual " + residual.shape_str() + " vs delta " + delta.shape_str());
-  require(T <= 65535, op, "too many rows");
+  OCRIA_RT_REQUIRE(T <= 65535, op, "too many rows");
   if (T == 0 || D == 0) return;
   activate();
   if (residual.dtype == DType::BF16)
@@ -88,10 +88,10 @@ void CudaBackend::silu_mul(const Tensor& gate_up, const Tensor& out) {
   const char* op = "silu_mul";
   require_float(gate_up, op, "gate_up");
   require_tensor(out, gate_up.dtype, op, "out");
-  require(gate_up.ndim == 2 && out.ndim == 2 && gate_up.dim(0) == out.dim(0) && gate_up.dim(1) == 2 * out.dim(1), op,
+  OCRIA_RT_REQUIRE(gate_up.ndim == 2 && out.ndim == 2 && gate_up.dim(0) == out.dim(0) && gate_up.dim(1) == 2 * out.dim(1), op,
           "gate_up " + gate_up.shape_str() + " vs out " + out.shape_str());
   const int64_t T = out.dim(0), I = out.dim(1);
-  require(T <= 65535, op, "too many rows");
+  OCRIA_RT_REQUIRE(T <= 65535, op, "too many rows");
   if (T == 0 || I == 0) return;
   activate();
   if (out.dtype == DType::BF16)
@@ -123,11 +123,11 @@ void CudaBackend::gelu(const Tensor& x, const Tensor& out, bool tanh_approximati
   const char* op = "gelu";
   require_tensor(x, DType::BF16, op, "x");
   require_tensor(out, DType::BF16, op, "out");
-  require(x.ndim == 2 && out.ndim == 2 && x.dim(0) == out.dim(0) && x.dim(1) == out.dim(1), op,
+  OCRIA_RT_REQUIRE(x.ndim == 2 && out.ndim == 2 && x.dim(0) == out.dim(0) && x.dim(1) == out.dim(1), op,
           "x " + x.shape_str() + " vs out " + out.shape_str());
   const int64_t T = x.dim(0), D = x.dim(1);
   if (T == 0 || D == 0) return;
-  require(T <= 65535, op, "too many rows");
+  OCRIA_RT_REQUIRE(T <= 65535, op, "too many rows");
   activate();
   const dim3 grid = grid_for(D, 1, T, 256);
   if (tanh_approximation)

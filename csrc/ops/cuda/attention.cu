@@ -275,17 +275,17 @@ void CudaBackend::attention_prepare(const Tensor& qkv, const Tensor& q_norm, con
   require_tensor(rope_positions, DType::I32, op, "rope_positions");
   ParamView qn = param_view(q_norm, op, "q_norm"), kn = param_view(k_norm, op, "k_norm");
   const int64_t T = qkv.dim(0), Hq = p.num_q_heads, Hkv = p.num_kv_heads, hd = p.head_dim;
-  require(hd > 0 && hd <= 256, op, "head_dim " + std::to_string(hd) + " unsupported (at most 256)");
-  require(p.rotary_dim >= 0 && p.rotary_dim <= hd && p.rotary_dim % 2 == 0, op, "bad rotary_dim");
-  require(qkv.ndim == 2 && qkv.dim(1) == (2 * Hq + 2 * Hkv) * hd, op, "qkv " + qkv.shape_str());
-  require(q_out.numel() == T * Hq * hd && q_out.dim(0) == T, op, "q_out " + q_out.shape_str());
-  require(k_cache.ndim >= 2 && k_cache.row_size() == Hkv * hd && v_cache.row_size() == Hkv * hd &&
+  OCRIA_RT_REQUIRE(hd > 0 && hd <= 256, op, "head_dim " + std::to_string(hd) + " unsupported (at most 256)");
+  OCRIA_RT_REQUIRE(p.rotary_dim >= 0 && p.rotary_dim <= hd && p.rotary_dim % 2 == 0, op, "bad rotary_dim");
+  OCRIA_RT_REQUIRE(qkv.ndim == 2 && qkv.dim(1) == (2 * Hq + 2 * Hkv) * hd, op, "qkv " + qkv.shape_str());
+  OCRIA_RT_REQUIRE(q_out.numel() == T * Hq * hd && q_out.dim(0) == T, op, "q_out " + q_out.shape_str());
+  OCRIA_RT_REQUIRE(k_cache.ndim >= 2 && k_cache.row_size() == Hkv * hd && v_cache.row_size() == Hkv * hd &&
               k_cache.row_stride == v_cache.row_stride && k_cache.dim(0) == v_cache.dim(0),
           op, "k_cache " + k_cache.shape_str() + " / v_cache " + v_cache.shape_str() + " vs Hkv * head_dim");
-  require(positions.numel() == T, op, "positions must have T elements");
-  require(rope_positions.numel() == 3 * T && (rope_positions.ndim == 1 || rope_positions.dim(-1) == 3), op,
+  OCRIA_RT_REQUIRE(positions.numel() == T, op, "positions must have T elements");
+  OCRIA_RT_REQUIRE(rope_positions.numel() == 3 * T && (rope_positions.ndim == 1 || rope_positions.dim(-1) == 3), op,
           "rope_positions " + rope_positions.shape_str() + ", expected [T, 3]");
-  require(q_norm.numel() == hd && k_norm.numel() == hd, op, "q_norm / k_norm must have head_dim elements");
+  OCRIA_RT_REQUIRE(q_norm.numel() == hd && k_norm.numel() == hd, op, "q_norm / k_norm must have head_dim elements");
   if (T == 0) return;
   activate();
   const int64_t items = T * (Hq + Hkv);
@@ -310,15 +310,15 @@ void CudaBackend::attention(const Tensor& q, const Tensor& k_cache, const Tensor
   require_tensor(out, DType::BF16, op, "out");
   require_tensor(positions, DType::I32, op, "positions");
   const int64_t T = q.dim(0), Hq = p.num_q_heads, Hkv = p.num_kv_heads, hd = p.head_dim;
-  require(hd == 32 || hd == 64 || hd == 128 || hd == 256, op, "head_dim " + std::to_string(hd) + " unsupported (32/64/128/256)");
-  require(Hkv > 0 && Hq % Hkv == 0 && Hq / Hkv <= 8, op, "GQA group Hq / Hkv must be an integer <= 8");
-  require(q.numel() == T * Hq * hd && (q.ndim == 2 || q.ndim == 3), op, "q " + q.shape_str());
-  require(qkv.ndim == 2 && qkv.dim(0) == T && qkv.dim(1) == (2 * Hq + 2 * Hkv) * hd, op, "qkv " + qkv.shape_str());
-  require(out.ndim == 2 && out.dim(0) == T && out.dim(1) == Hq * hd, op, "out " + out.shape_str());
-  require(k_cache.row_size() == Hkv * hd && v_cache.row_size() == Hkv * hd && k_cache.row_stride == v_cache.row_stride,
+  OCRIA_RT_REQUIRE(hd == 32 || hd == 64 || hd == 128 || hd == 256, op, "head_dim " + std::to_string(hd) + " unsupported (32/64/128/256)");
+  OCRIA_RT_REQUIRE(Hkv > 0 && Hq % Hkv == 0 && Hq / Hkv <= 8, op, "GQA group Hq / Hkv must be an integer <= 8");
+  OCRIA_RT_REQUIRE(q.numel() == T * Hq * hd && (q.ndim == 2 || q.ndim == 3), op, "q " + q.shape_str());
+  OCRIA_RT_REQUIRE(qkv.ndim == 2 && qkv.dim(0) == T && qkv.dim(1) == (2 * Hq + 2 * Hkv) * hd, op, "qkv " + qkv.shape_str());
+  OCRIA_RT_REQUIRE(out.ndim == 2 && out.dim(0) == T && out.dim(1) == Hq * hd, op, "out " + out.shape_str());
+  OCRIA_RT_REQUIRE(k_cache.row_size() == Hkv * hd && v_cache.row_size() == Hkv * hd && k_cache.row_stride == v_cache.row_stride,
           op, "k_cache / v_cache vs Hkv * head_dim");
-  require(positions.numel() == T, op, "positions must have T elements");
-  require(T <= 65535, op, "too many tokens");
+  OCRIA_RT_REQUIRE(positions.numel() == T, op, "positions must have T elements");
+  OCRIA_RT_REQUIRE(T <= 65535, op, "too many tokens");
   if (T == 0) return;
   activate();
   const int G = int(Hq / Hkv);
@@ -488,13 +488,13 @@ void CudaBackend::vision_attention(const Tensor& qkv, const Tensor& patch_pos, c
   require_tensor(patch_pos, DType::I32, op, "patch_pos");
   require_tensor(cu_seqlens, DType::I32, op, "cu_seqlens");
   const int64_t N = qkv.dim(0), H = num_heads;
-  require(H > 0 && qkv.ndim == 2 && qkv.dim(1) % (3 * H) == 0, op, "qkv " + qkv.shape_str());
+  OCRIA_RT_REQUIRE(H > 0 && qkv.ndim == 2 && qkv.dim(1) % (3 * H) == 0, op, "qkv " + qkv.shape_str());
   const int64_t hd = qkv.dim(1) / (3 * H);
-  require(hd == 16 || hd == 32 || hd == 64 || hd == 128, op, "head_dim " + std::to_string(hd) + " unsupported (16/32/64/128)");
-  require(out.ndim == 2 && out.dim(0) == N && out.dim(1) == H * hd, op, "out " + out.shape_str());
-  require(patch_pos.numel() == 2 * N && patch_pos.contiguous(), op, "patch_pos must be [N, 2]");
+  OCRIA_RT_REQUIRE(hd == 16 || hd == 32 || hd == 64 || hd == 128, op, "head_dim " + std::to_string(hd) + " unsupported (16/32/64/128)");
+  OCRIA_RT_REQUIRE(out.ndim == 2 && out.dim(0) == N && out.dim(1) == H * hd, op, "out " + out.shape_str());
+  OCRIA_RT_REQUIRE(patch_pos.numel() == 2 * N && patch_pos.contiguous(), op, "patch_pos must be [N, 2]");
   const int64_t images = cu_seqlens.numel() - 1;
-  require(images >= 1, op, "cu_seqlens needs at least 2 entries");
+  OCRIA_RT_REQUIRE(images >= 1, op, "cu_seqlens needs at least 2 entries");
   if (N == 0) return;
   activate();
   const int64_t pairs = N * H * (hd / 2);
@@ -503,7 +503,7 @@ void CudaBackend::vision_attention(const Tensor& qkv, const Tensor& patch_pos, c
                                                                         int(hd), rope_theta);
   check_launch("vision_rope_kernel");
   const dim3 grid(unsigned((N + kVisRows - 1) / kVisRows), unsigned(H));
-  require(grid.y <= 65535, op, "too many heads");
+  OCRIA_RT_REQUIRE(grid.y <= 65535, op, "too many heads");
   const float scale_log2 = float(1.0 / std::sqrt(double(hd))) * 1.4426950408889634f;
   auto launch = [&](auto kernel) {
     kernel<<<grid, kVisRows * 32, 0, stream_>>>(qkv.ptr<const bf16>(), qkv.row_stride, cu_seqlens.ptr<const int32_t>(),

@@ -17,27 +17,27 @@ void throw_cuda_error(cudaError_t err, const char* what) {
                         cudaGetErrorString(err) + ")");
 }
 
-void require(bool cond, const char* op, const std::string& message) {
-  if (!cond) throw Error(ErrorCode::kInternal, std::string("CUDA ") + op + ": " + message);
+void require_failed(const char* op, const std::string& message) {
+  throw Error(ErrorCode::kInternal, std::string("CUDA ") + op + ": " + message);
 }
 
 void require_tensor(const Tensor& t, DType dtype, const char* op, const char* name) {
-  require(t.defined(), op, std::string(name) + " is not defined");
-  require(t.device == DeviceKind::CUDA, op, std::string(name) + " is not a CUDA tensor");
-  require(t.dtype == dtype, op,
+  OCRIA_RT_REQUIRE(t.defined(), op, std::string(name) + " is not defined");
+  OCRIA_RT_REQUIRE(t.device == DeviceKind::CUDA, op, std::string(name) + " is not a CUDA tensor");
+  OCRIA_RT_REQUIRE(t.dtype == dtype, op,
           std::string(name) + " has dtype " + dtype_name(t.dtype) + ", expected " + dtype_name(dtype));
 }
 
 void require_float(const Tensor& t, const char* op, const char* name) {
-  require(t.defined(), op, std::string(name) + " is not defined");
-  require(t.device == DeviceKind::CUDA, op, std::string(name) + " is not a CUDA tensor");
-  require(t.dtype == DType::F32 || t.dtype == DType::BF16, op,
+  OCRIA_RT_REQUIRE(t.defined(), op, std::string(name) + " is not defined");
+  OCRIA_RT_REQUIRE(t.device == DeviceKind::CUDA, op, std::string(name) + " is not a CUDA tensor");
+  OCRIA_RT_REQUIRE(t.dtype == DType::F32 || t.dtype == DType::BF16, op,
           std::string(name) + " has dtype " + dtype_name(t.dtype) + ", expected F32 or BF16");
 }
 
 ParamView param_view(const Tensor& t, const char* op, const char* name) {
   require_float(t, op, name);
-  require(t.contiguous(), op, std::string(name) + " must be contiguous");
+  OCRIA_RT_REQUIRE(t.contiguous(), op, std::string(name) + " must be contiguous");
   return ParamView{t.data, t.dtype == DType::BF16};
 }
 
@@ -205,9 +205,9 @@ void CudaBackend::release(void* ptr) {
 }
 
 void CudaBackend::copy_from_host(const Tensor& dst, const void* src, DType src_dtype) {
-  cuda::require(dst.device == DeviceKind::CUDA, "copy_from_host", "dst is not a CUDA tensor");
+  OCRIA_RT_REQUIRE(dst.device == DeviceKind::CUDA, "copy_from_host", "dst is not a CUDA tensor");
   if (dst.numel() == 0) return;
-  cuda::require(dst.dtype != DType::I32 || src_dtype == DType::I32, "copy_from_host",
+  OCRIA_RT_REQUIRE(dst.dtype != DType::I32 || src_dtype == DType::I32, "copy_from_host",
                 std::string("an I32 destination needs I32 data, got ") + dtype_name(src_dtype));
   activate();
   const RowLayout L = row_layout(dst);
@@ -239,7 +239,7 @@ void CudaBackend::copy_from_host(const Tensor& dst, const void* src, DType src_d
 }
 
 void CudaBackend::copy_to_host(void* dst, const Tensor& src) {
-  cuda::require(src.device == DeviceKind::CUDA, "copy_to_host", "src is not a CUDA tensor");
+  OCRIA_RT_REQUIRE(src.device == DeviceKind::CUDA, "copy_to_host", "src is not a CUDA tensor");
   if (src.numel() == 0) return;
   activate();
   const DType host_t = src.dtype == DType::I32 ? DType::I32 : DType::F32;
@@ -265,7 +265,7 @@ void CudaBackend::copy_to_host(void* dst, const Tensor& src) {
 }
 
 void CudaBackend::fill_zero(const Tensor& t) {
-  cuda::require(t.device == DeviceKind::CUDA, "fill_zero", "tensor is not a CUDA tensor");
+  OCRIA_RT_REQUIRE(t.device == DeviceKind::CUDA, "fill_zero", "tensor is not a CUDA tensor");
   if (t.numel() == 0) return;
   activate();
   const RowLayout L = row_layout(t);
@@ -286,14 +286,14 @@ void CudaBackend::synchronize() {
 // ---- graphs ----
 
 void CudaBackend::begin_capture() {
-  cuda::require(!capturing_, "begin_capture", "a capture is already in progress");
+  OCRIA_RT_REQUIRE(!capturing_, "begin_capture", "a capture is already in progress");
   activate();
   check_cuda(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
   capturing_ = true;
 }
 
 void CudaBackend::end_capture() {
-  cuda::require(capturing_, "end_capture", "no capture in progress");
+  OCRIA_RT_REQUIRE(capturing_, "end_capture", "no capture in progress");
   activate();
   capturing_ = false;
   cudaGraph_t graph = nullptr;
@@ -320,7 +320,7 @@ void CudaBackend::end_capture() {
 }
 
 void CudaBackend::replay() {
-  cuda::require(graph_exec_ != nullptr, "replay", "no graph has been captured");
+  OCRIA_RT_REQUIRE(graph_exec_ != nullptr, "replay", "no graph has been captured");
   activate();
   check_cuda(cudaGraphLaunch(graph_exec_, stream_), "cudaGraphLaunch");
 }
@@ -345,8 +345,8 @@ void CudaBackend::increment(const Tensor& counter, int32_t by) {
 }
 
 void CudaBackend::copy(const Tensor& dst, const Tensor& src) {
-  cuda::require(dst.device == DeviceKind::CUDA && src.device == DeviceKind::CUDA, "copy", "tensors must be on the device");
-  cuda::require(dst.dtype == src.dtype && dst.numel() == src.numel() && dst.row_size() == src.row_size(), "copy",
+  OCRIA_RT_REQUIRE(dst.device == DeviceKind::CUDA && src.device == DeviceKind::CUDA, "copy", "tensors must be on the device");
+  OCRIA_RT_REQUIRE(dst.dtype == src.dtype && dst.numel() == src.numel() && dst.row_size() == src.row_size(), "copy",
                 dst.shape_str() + " <- " + src.shape_str() + " (same dtype and shape needed)");
   if (src.numel() == 0) return;
   activate();
@@ -372,7 +372,7 @@ namespace ocria_rt {
 namespace cuda {
 
 RowView row_view(const Tensor& t, int64_t cols, const char* op, const char* name) {
-  require(t.ndim >= 1 && t.dim(-1) == cols, op,
+  OCRIA_RT_REQUIRE(t.ndim >= 1 && t.dim(-1) == cols, op,
           std::string(name) + " " + t.shape_str() + " does not end in " + std::to_string(cols));
   RowView v;
   v.cols = cols;

@@ -34,8 +34,13 @@ inline void check_cuda(cudaError_t err, const char* what) {
 // the next synchronising call).
 inline void check_launch(const char* what) { check_cuda(cudaGetLastError(), what); }
 
-// Throws Error(kInternal) with `op: message` unless cond holds.
-void require(bool cond, const char* op, const std::string& message);
+// Throws Error(kInternal) with `op: message` unless cond holds. A macro, so that the message (often
+// built from shape strings) is only formed when the check fails, not on every op call.
+[[noreturn]] void require_failed(const char* op, const std::string& message);
+#define OCRIA_RT_REQUIRE(cond, op, message)                                  \
+  do {                                                                       \
+    if (!(cond)) ::ocria_rt::cuda::require_failed((op), (message));          \
+  } while (0)
 // The tensor lives on the CUDA device and has the given dtype.
 void require_tensor(const Tensor& t, DType dtype, const char* op, const char* name);
 // Same, F32 or BF16.

@@ -87,15 +87,15 @@ void CudaBackend::gdn_conv(const Tensor& x, const Tensor& conv_weight, const Ten
   require_tensor(out, x.dtype, op, "out");
   require_tensor(conv_state, DType::F32, op, "conv_state");
   ParamView w = param_view(conv_weight, op, "conv_weight");
-  require(x.ndim == 2 && out.ndim == 2 && x.dim(0) == out.dim(0) && x.dim(1) == out.dim(1), op,
+  OCRIA_RT_REQUIRE(x.ndim == 2 && out.ndim == 2 && x.dim(0) == out.dim(0) && x.dim(1) == out.dim(1), op,
           "x " + x.shape_str() + " vs out " + out.shape_str());
   const int64_t T = x.dim(0), C = x.dim(1), K = conv_weight.dim(-1);
-  require(conv_weight.numel() == C * K, op, "conv_weight " + conv_weight.shape_str() + " for " + std::to_string(C) +
+  OCRIA_RT_REQUIRE(conv_weight.numel() == C * K, op, "conv_weight " + conv_weight.shape_str() + " for " + std::to_string(C) +
                                                 " channels");
-  require(K >= 2 && K <= kMaxWidth, op, "conv width " + std::to_string(K) + " unsupported (2..8)");
-  require(conv_state.numel() == C * (K - 1) && conv_state.contiguous(), op,
+  OCRIA_RT_REQUIRE(K >= 2 && K <= kMaxWidth, op, "conv width " + std::to_string(K) + " unsupported (2..8)");
+  OCRIA_RT_REQUIRE(conv_state.numel() == C * (K - 1) && conv_state.contiguous(), op,
           "conv_state " + conv_state.shape_str() + ", expected [C, K-1] contiguous");
-  require(T <= (int64_t(65535) * kTokens), op, "too many tokens");
+  OCRIA_RT_REQUIRE(T <= (int64_t(65535) * kTokens), op, "too many tokens");
   if (T == 0 || C == 0) return;
   activate();
   if (x.dtype == DType::BF16)

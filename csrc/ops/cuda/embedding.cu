@@ -45,10 +45,10 @@ void CudaBackend::embedding(const Tensor& table, const Tensor& ids, const Tensor
   require_float(table, op, "table");
   require_tensor(ids, DType::I32, op, "ids");
   require_float(out, op, "out");
-  require(table.ndim == 2 && out.ndim == 2 && out.dim(1) == table.dim(1) && ids.numel() == out.dim(0), op,
+  OCRIA_RT_REQUIRE(table.ndim == 2 && out.ndim == 2 && out.dim(1) == table.dim(1) && ids.numel() == out.dim(0), op,
           "table " + table.shape_str() + ", ids " + ids.shape_str() + ", out " + out.shape_str());
   const int64_t T = out.dim(0), D = out.dim(1);
-  require(T <= 65535, op, "too many tokens");
+  OCRIA_RT_REQUIRE(T <= 65535, op, "too many tokens");
   if (T == 0 || D == 0) return;
   activate();
   const bool tb = table.dtype == DType::BF16, ob = out.dtype == DType::BF16;

@@ -183,19 +183,19 @@ void CudaBackend::gdn_run(const char* op, const Tensor& qkv, const Tensor& ba, c
   require_tensor(state, DType::F32, op, "state");
   ParamView a_log = param_view(A_log, op, "A_log"), dtb = param_view(dt_bias, op, "dt_bias");
   const int64_t HK = p.num_k_heads, HV = p.num_v_heads, dk = p.k_head_dim, dv = p.v_head_dim;
-  require(HK > 0 && HV > 0 && HV % HK == 0, op, "HV must be a positive multiple of HK");
-  require(dk == 16 || dk == 32 || dk == 64 || dk == 128 || dk == 256, op,
+  OCRIA_RT_REQUIRE(HK > 0 && HV > 0 && HV % HK == 0, op, "HV must be a positive multiple of HK");
+  OCRIA_RT_REQUIRE(dk == 16 || dk == 32 || dk == 64 || dk == 128 || dk == 256, op,
           "k_head_dim " + std::to_string(dk) + " unsupported (16/32/64/128/256)");
-  require(dv > 0, op, "v_head_dim must be positive");
-  require(qkv.ndim == 2 && qkv.dim(1) == p.conv_dim(), op, "qkv " + qkv.shape_str() + " vs conv_dim " +
+  OCRIA_RT_REQUIRE(dv > 0, op, "v_head_dim must be positive");
+  OCRIA_RT_REQUIRE(qkv.ndim == 2 && qkv.dim(1) == p.conv_dim(), op, "qkv " + qkv.shape_str() + " vs conv_dim " +
                                                                std::to_string(p.conv_dim()));
   const int64_t T = qkv.dim(0);
-  require(ba.ndim == 2 && ba.dim(0) == T && ba.dim(1) == 2 * HV, op, "ba " + ba.shape_str());
-  require(out.ndim == 2 && out.dim(0) == T && out.dim(1) == HV * dv, op, "out " + out.shape_str());
-  require(state.numel() == HV * dk * dv && state.contiguous(), op, "state " + state.shape_str());
-  require(A_log.numel() == HV && dt_bias.numel() == HV, op, "A_log / dt_bias must have HV elements");
+  OCRIA_RT_REQUIRE(ba.ndim == 2 && ba.dim(0) == T && ba.dim(1) == 2 * HV, op, "ba " + ba.shape_str());
+  OCRIA_RT_REQUIRE(out.ndim == 2 && out.dim(0) == T && out.dim(1) == HV * dv, op, "out " + out.shape_str());
+  OCRIA_RT_REQUIRE(state.numel() == HV * dk * dv && state.contiguous(), op, "state " + state.shape_str());
+  OCRIA_RT_REQUIRE(A_log.numel() == HV && dt_bias.numel() == HV, op, "A_log / dt_bias must have HV elements");
   if (T == 0) return;
-  require(T < (int64_t(1) << 31), op, "too many tokens");
+  OCRIA_RT_REQUIRE(T < (int64_t(1) << 31), op, "too many tokens");
   activate();
   dim3 grid{unsigned(HV), unsigned((dv + 31) / 32)};
   if (qkv.dtype == DType::BF16)
@@ -223,8 +223,8 @@ void CudaBackend::gdn_gated_norm(const Tensor& o, const Tensor& z, const Tensor&
   require_tensor(out, o.dtype, op, "out");
   ParamView w = param_view(weight, op, "weight");
   const int64_t HV = p.num_v_heads, dv = p.v_head_dim;
-  require(weight.numel() == dv, op, "weight must have v_head_dim elements");
-  require(o.ndim == 2 && z.ndim == 2 && out.ndim == 2 && o.dim(1) == HV * dv && z.dim(1) == HV * dv &&
+  OCRIA_RT_REQUIRE(weight.numel() == dv, op, "weight must have v_head_dim elements");
+  OCRIA_RT_REQUIRE(o.ndim == 2 && z.ndim == 2 && out.ndim == 2 && o.dim(1) == HV * dv && z.dim(1) == HV * dv &&
               out.dim(1) == HV * dv && z.dim(0) == o.dim(0) && out.dim(0) == o.dim(0),
           op, "o " + o.shape_str() + ", z " + z.shape_str() + ", out " + out.shape_str());
   const int64_t rows = o.dim(0) * HV;

@@ -259,7 +259,7 @@ template <class OutT>
 void launch_fallback(const bf16* x, int64_t ldx, int M, const bf16* w, int64_t ldw, int N, int K, ParamView bias,
                      bool has_bias, OutT* out, int64_t ldo, cudaStream_t stream) {
   dim3 grid((N + 63) / 64, (M + 63) / 64);
-  require(grid.y <= 65535, "linear", "too many rows for the fallback kernel");
+  OCRIA_RT_REQUIRE(grid.y <= 65535, "linear", "too many rows for the fallback kernel");
   linear_fallback_kernel<OutT><<<grid, 256, 0, stream>>>(x, ldx, M, w, ldw, N, K, bias, has_bias, out, ldo);
   check_launch("linear_fallback_kernel");
 }
@@ -270,22 +270,22 @@ void launch_fallback(const bf16* x, int64_t ldx, int M, const bf16* w, int64_t l
 void CudaBackend::linear(const Tensor& x, const LinearWeight& lw, const Tensor& out) {
   using namespace cuda;
   const char* op = "linear";
-  require(lw.format == LinearWeight::Format::kDense, op, "only dense weights are supported");
+  OCRIA_RT_REQUIRE(lw.format == LinearWeight::Format::kDense, op, "only dense weights are supported");
   const Tensor& w = lw.weight;
   require_tensor(x, DType::BF16, op, "x");
   require_tensor(w, DType::BF16, op, "weight");
   require_float(out, op, "out");
-  require(x.ndim == 2 && w.ndim == 2 && out.ndim == 2, op,
+  OCRIA_RT_REQUIRE(x.ndim == 2 && w.ndim == 2 && out.ndim == 2, op,
           "expected 2-D x, weight and out, got " + x.shape_str() + ", " + w.shape_str() + ", " + out.shape_str());
   const int64_t M = x.dim(0), K = x.dim(1), N = w.dim(0);
-  require(w.dim(1) == K && out.dim(0) == M && out.dim(1) == N, op,
+  OCRIA_RT_REQUIRE(w.dim(1) == K && out.dim(0) == M && out.dim(1) == N, op,
           "shape mismatch: x " + x.shape_str() + ", weight " + w.shape_str() + ", out " + out.shape_str());
-  require(M < (int64_t(1) << 31) && N < (int64_t(1) << 31) && K < (int64_t(1) << 31), op, "dimension too large");
+  OCRIA_RT_REQUIRE(M < (int64_t(1) << 31) && N < (int64_t(1) << 31) && K < (int64_t(1) << 31), op, "dimension too large");
   const bool has_bias = lw.bias.defined();
   ParamView bias{};
   if (has_bias) {
     bias = param_view(lw.bias, op, "bias");
-    require(lw.bias.numel() == N, op, "bias has " + std::to_string(lw.bias.numel()) + " elements, expected N");
+    OCRIA_RT_REQUIRE(lw.bias.numel() == N, op, "bias has " + std::to_string(lw.bias.numel()) + " elements, expected N");
   }
   if (M == 0 || N == 0) return;
   activate();
@@ -309,7 +309,7 @@ void CudaBackend::linear(const Tensor& x, const LinearWeight& lw, const Tensor& 
                      stream_)) {
     if (has_bias) {
       dim3 grid(unsigned((N + 255) / 256), unsigned(M));
-      require(M <= 65535, op, "too many rows for the bias kernel");
+      OCRIA_RT_REQUIRE(M <= 65535, op, "too many rows for the bias kernel");
       add_bias_kernel<<<grid, 256, 0, stream_>>>(out.ptr<bf16>(), ldo, int(M), int(N), bias);
       check_launch("add_bias_kernel");
     }
@@ -327,7 +327,7 @@ void CudaBackend::linear_swiglu(const Tensor& gate_up, const LinearWeight& lw, c
   require_tensor(gate_up, DType::BF16, op, "gate_up");
   require_tensor(out, DType::BF16, op, "out");
   const int64_t M = gate_up.dim(0), I = gate_up.dim(1) / 2;
-  require(gate_up.ndim == 2 && lw.weight.ndim == 2 && lw.weight.dim(1) == I && act.dim(1) == I, op,
+  OCRIA_RT_REQUIRE(gate_up.ndim == 2 && lw.weight.ndim == 2 && lw.weight.dim(1) == I && act.dim(1) == I, op,
           "gate_up " + gate_up.shape_str() + ", weight " + lw.weight.shape_str() + ", act " + act.shape_str());
   const bf16* xp = gate_up.ptr<bf16>();
   const bf16* wp = lw.weight.ptr<bf16>();

@@ -57,13 +57,13 @@ template <class T, bool ADD>
 void launch_rms_norm(const Tensor& x, const Tensor* delta, const Tensor& out, ParamView w, int64_t D, float eps,
                      cudaStream_t stream, const char* op) {
   RowView xv = row_view(x, D, op, "x"), ov = row_view(out, D, op, "out"), dv{};
-  require(xv.rows == ov.rows, op, "x " + x.shape_str() + " and out " + out.shape_str() + " differ in rows");
+  OCRIA_RT_REQUIRE(xv.rows == ov.rows, op, "x " + x.shape_str() + " and out " + out.shape_str() + " differ in rows");
   if (ADD) {
     dv = row_view(*delta, D, op, "delta");
-    require(dv.rows == xv.rows, op, "residual " + x.shape_str() + " and delta " + delta->shape_str() + " differ");
+    OCRIA_RT_REQUIRE(dv.rows == xv.rows, op, "residual " + x.shape_str() + " and delta " + delta->shape_str() + " differ");
   }
   if (xv.rows == 0 || D == 0) return;
-  require(xv.rows <= 0x7fffffff, op, "too many rows");
+  OCRIA_RT_REQUIRE(xv.rows <= 0x7fffffff, op, "too many rows");
   constexpr int V = vec16<T>();
   bool vec = vec_ok(x.data, xv.outer_stride, D, V, sizeof(T)) && vec_ok(out.data, ov.outer_stride, D, V, sizeof(T));
   if (ADD) vec = vec && vec_ok(delta->data, dv.outer_stride, D, V, sizeof(T));
@@ -143,9 +143,9 @@ void CudaBackend::layer_norm(const Tensor& x, const Tensor& weight, const Tensor
   require_tensor(out, activation_dtype(), op, "out");
   const ParamView w = param_view(weight, op, "weight"), b = param_view(bias, op, "bias");
   const int64_t D = weight.numel();
-  require(x.ndim == 2 && out.ndim == 2 && x.dim(1) == D && out.dim(1) == D && out.dim(0) == x.dim(0), op,
+  OCRIA_RT_REQUIRE(x.ndim == 2 && out.ndim == 2 && x.dim(1) == D && out.dim(1) == D && out.dim(0) == x.dim(0), op,
           "x " + x.shape_str() + ", out " + out.shape_str() + ", weight " + weight.shape_str());
-  require(bias.numel() == D, op, "bias must have as many elements as weight");
+  OCRIA_RT_REQUIRE(bias.numel() == D, op, "bias must have as many elements as weight");
   const int64_t rows = x.dim(0);
   if (rows == 0) return;
   activate();

@@ -651,21 +651,21 @@ void CudaBackend::sample(const Tensor& logits, const SamplerConfig& config, cons
   require_tensor(tokens, DType::I32, op, "tokens");
   const int64_t R = logits.ndim == 1 ? 1 : logits.dim(0), V = logits.dim(-1);
   const int64_t ldl = logits.ndim == 1 ? V : logits.row_stride;
-  require(logits.ndim == 1 || logits.ndim == 2, op, "logits must be [R, V] or [V]");
-  require(tokens.numel() == R, op, "tokens must have R elements");
-  require(V > 0 && V <= (int64_t(1) << 30), op, "vocabulary size " + std::to_string(V) + " out of range");
-  require(!(config.temperature > 0.0f) || (config.top_p > 0.0f), op, "top_p must be > 0");
+  OCRIA_RT_REQUIRE(logits.ndim == 1 || logits.ndim == 2, op, "logits must be [R, V] or [V]");
+  OCRIA_RT_REQUIRE(tokens.numel() == R, op, "tokens must have R elements");
+  OCRIA_RT_REQUIRE(V > 0 && V <= (int64_t(1) << 30), op, "vocabulary size " + std::to_string(V) + " out of range");
+  OCRIA_RT_REQUIRE(!(config.temperature > 0.0f) || (config.top_p > 0.0f), op, "top_p must be > 0");
   if (R == 0) return;
   activate();
   const int NB = int(std::clamp<int64_t>((V + 4095) / 4096, 1, 128));
   const size_t per_row = ws_bytes_per_row(V, NB);
   const int64_t rows_per_group = int64_t(workspace_bytes_ / per_row);
-  require(rows_per_group >= 1, op, "workspace too small for one row of " + std::to_string(V) +
+  OCRIA_RT_REQUIRE(rows_per_group >= 1, op, "workspace too small for one row of " + std::to_string(V) +
                                        " logits: call reserve_workspace()");
   for (int64_t r0 = 0; r0 < R; r0 += rows_per_group) {
     // Each group advances step by its row count, so the next group's draws continue the sequence.
     const int rg = int(std::min<int64_t>(rows_per_group, R - r0));
-    require(rg <= 65535, op, "too many rows");
+    OCRIA_RT_REQUIRE(rg <= 65535, op, "too many rows");
     if (logits.dtype == DType::BF16)
       launch_sample<bf16>(logits.ptr<const bf16>() + r0 * ldl, ldl, rg, int(V), config, step.ptr<int32_t>(),
                           tokens.ptr<int32_t>() + r0, workspace_, NB, stream_);
