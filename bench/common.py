@@ -104,7 +104,7 @@ def make_random_checkpoint(shape_name: str, directory: Path, seed: int = 0, visi
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
-    if (directory / "model.safetensors").exists():
+    if (directory / "config.json").exists():
         return directory
     c = full_config(SHAPES[shape_name])
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -140,6 +140,13 @@ def make_random_checkpoint(shape_name: str, directory: Path, seed: int = 0, visi
     if vision is not None:
         c = dict(model_type="qwen3_5", architectures=["Qwen3_5ForConditionalGeneration"], text_config=c,
                  vision_config=vision, tie_word_embeddings=c["tie_word_embeddings"], **VISION_TOKENS)
+        # Qwen3.5's image processor: the model's patch geometry, pixels in [-1, 1], up to 4096^2 px.
+        processor = dict(image_processor_type="Qwen2VLImageProcessorFast", patch_size=vision["patch_size"],
+                         temporal_patch_size=vision["temporal_patch_size"], merge_size=vision["spatial_merge_size"],
+                         image_mean=[0.5] * 3, image_std=[0.5] * 3, do_rescale=True, rescale_factor=1 / 255,
+                         do_normalize=True, do_convert_rgb=True, resample=3,
+                         size={"shortest_edge": 65536, "longest_edge": 16777216})
+        (directory / "preprocessor_config.json").write_text(json.dumps(processor, indent=1))
     (directory / "config.json").write_text(json.dumps(c, indent=1))
     return directory
 

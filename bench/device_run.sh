@@ -4,6 +4,8 @@
 #
 #   bench/device_run.sh OUT_DIR [tests|kernels|decode|vision|all ...]
 #
+# Extra benchmark arguments: DECODE_ARGS, VISION_ARGS; build parallelism: CMAKE_BUILD_PARALLEL_LEVEL.
+#
 # Dependencies the machine lacks come as wheels in .wheels/ (nvidia-cutlass for the CUTLASS headers,
 # flash-linear-attention + fla-core for the benchmark peer); everything else (torch, transformers,
 # numpy, pybind11, scikit-build-core, cmake, ninja, nvcc) must already be there.
@@ -22,7 +24,7 @@ export PYTHONPATH=/tmp/site
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT_DIR/gpu.txt" 2>&1
 
 start=$(date +%s)
-OCRIA_RT_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install -q --no-build-isolation --no-deps . \
+OCRIA_RT_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} python3 -m pip install -q --no-build-isolation --no-deps . \
   > "$OUT_DIR/build.log" 2>&1 || { tail -40 "$OUT_DIR/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"
 python3 -c "import ocria_rt, json; print(json.dumps(ocria_rt.build_info()))"
@@ -36,7 +38,10 @@ if has_step kernels && [ -f bench/kernels.py ]; then
   python3 bench/kernels.py "$OUT_DIR/kernels.json" 2>&1 | tee "$OUT_DIR/kernels.log" | tail -40
 fi
 if has_step vision; then
-  python3 bench/vision.py "$OUT_DIR/vision.json" 2>&1 | tee "$OUT_DIR/vision.log" | tail -12
+  python3 bench/vision.py "$OUT_DIR/vision.json" --parse-pages 4 ${VISION_ARGS:-} 2>&1 | tee "$OUT_DIR/vision.log" | tail -16
+  # the CLI on the same real-size random VLM and PDF (left by --parse-pages in the bench's workdir)
+  python3 -m ocria_rt parse /tmp/ocria-bench/pages.pdf --model /tmp/ocria-bench/ocria1-4b-parse --device cuda \
+    --max-new-tokens 200 -o "$OUT_DIR/parse.md" --json "$OUT_DIR/parse.json" --progress 2>&1 | tail -3
 fi
 if has_step decode; then
   python3 bench/decode.py "$OUT_DIR/decode.json" ${DECODE_ARGS:-} 2>&1 | tee "$OUT_DIR/decode.log" | tail -20

@@ -3,9 +3,13 @@ tokens, and end-to-end pages/s at a fixed 1,000 output tokens per page, batch 1;
 transformers (+ flash-linear-attention) on the same random BF16 weights, in the same process.
 
     python bench/vision.py OUT.json [--new-tokens 1000] [--peer-tokens 32] [--no-peer] [--reps 3]
+                                    [--parse-pages 4]
 
 The peer's pages/s is extrapolated from its prefill time and its decode rate over --peer-tokens
 cached steps (generating 1,000 tokens with it would take minutes); ours is measured whole.
+--parse-pages N also runs the whole pipeline, `ocria_rt.parse`, on an N-page generated PDF with the
+same weights (PDF rendering at 1288 px, preprocessing in its worker, up to --new-tokens per page) and
+leaves a model directory usable by `ocria-rt parse --model` in WORKDIR/ocria1-4b-parse.
 """
 
 from __future__ import annotations
@@ -111,6 +115,55 @@ def bench_peer(model_dir: Path, ids: list[int], pv, grid, new_tokens: int, peer_
             "page_s": prefill + (new_tokens - 1) / rate, "extrapolated_from_tokens": peer_tokens}
 
 
+def make_parse_model_dir(random_dir: Path, directory: Path) -> Path:
+    """The random OCRia-1-shaped checkpoint as a complete model directory for `ocria_rt.parse`: the
+    tokenizer and chat template of the package's small VLM, the model's special token ids set to that
+    tokenizer's. The weights stay random (the Markdown is noise); shapes and work per page are real."""
+    import shutil
+
+    from ocria_rt.pipeline import default_vlm_dir
+
+    small = default_vlm_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copyfile(small / name, directory / name)
+    shutil.copyfile(random_dir / "preprocessor_config.json", directory / "preprocessor_config.json")
+    weights = directory / "model.safetensors"
+    if not weights.exists():
+        weights.symlink_to((random_dir / "model.safetensors").resolve())
+    cfg = json.loads((random_dir / "config.json").read_text())
+    small_cfg = json.loads((small / "config.json").read_text())
+    for key in VISION_TOKENS:
+        cfg[key] = small_cfg[key]
+    cfg["text_config"]["eos_token_id"] = small_cfg["text_config"]["eos_token_id"]
+    (directory / "config.json").write_text(json.dumps(cfg, indent=1))
+    return directory
+
+
+def synthetic_pdf(path: Path, pages: int) -> Path:
+    """An A4 PDF of generated pages (ocria_rt.synthdoc), one image per page."""
+    from ocria_rt.synthdoc import iter_dataset
+
+    images = [image.convert("RGB") for image, _, _ in iter_dataset("heldout", pages, seed=7)]
+    images[0].save(path, save_all=True, append_images=images[1:], resolution=150.0)
+    return path
+
+
+def bench_parse(model_dir: Path, pdf: Path, new_tokens: int) -> dict:
+    import ocria_rt
+
+    eng = ocria_rt.Engine(model_dir, device="cuda")
+    ocria_rt.parse(pdf, engine=eng, pages="1", max_new_tokens=8, progress=False)  # warm-up
+    doc = ocria_rt.parse(pdf, engine=eng, max_new_tokens=new_tokens, progress=False)
+    if not doc.ok:
+        raise RuntimeError("parse failed: " + "; ".join(p.error or "" for p in doc.failed_pages))
+    n = len(doc.pages)
+    return {"pages": n, "new_tokens": doc.new_tokens, "prompt_tokens": doc.prompt_tokens,
+            "pages_per_s": doc.timings["pages_per_s"], "tokens_per_s": doc.timings["tokens_per_s"],
+            "preprocess_ms_per_page": doc.timings["preprocess_ms"] / n,
+            "prefill_ms_per_page": doc.timings["prefill_ms"] / n, "decode_ms_per_page": doc.timings["decode_ms"] / n}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path, help="JSON output path")
@@ -119,6 +172,7 @@ def main() -> int:
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/ocria-bench"))
+    ap.add_argument("--parse-pages", type=int, default=0, help="also time ocria_rt.parse on a PDF of this many pages")
     args = ap.parse_args()
 
     import torch
@@ -132,6 +186,10 @@ def main() -> int:
     result = {"device": torch.cuda.get_device_name(), "page_px": PAGE_SIZE, "patches": int(pv.shape[0]),
               "image_tokens": n_image, "prompt_tokens": len(ids), "new_tokens": args.new_tokens}
     result["ours"] = bench_ours(model_dir, ids, pv, grid, args.new_tokens, args.reps)
+    if args.parse_pages > 0:
+        parse_dir = make_parse_model_dir(model_dir, args.workdir / "ocria1-4b-parse")
+        pdf = synthetic_pdf(args.workdir / "pages.pdf", args.parse_pages)
+        result["parse"] = bench_parse(parse_dir, pdf, args.new_tokens)
     if not args.no_peer:
         result["peer"] = bench_peer(model_dir, ids, pv, grid, args.new_tokens, args.peer_tokens)
     args.out.write_text(json.dumps(result, indent=1))
@@ -149,6 +207,10 @@ def main() -> int:
           f"{n_image} image tokens, {len(ids)} prompt tokens; {args.new_tokens} new tokens per page; OCRia-1 shapes, "
           "random BF16 weights")
     print(markdown_table(rows, ["engine", "vision ms/page", "prefill ms (vision + tokens)", "decode tok/s", "pages/s"]))
+    if "parse" in result:
+        r = result["parse"]
+        print(f"\nocria_rt.parse, {r['pages']}-page PDF, up to {args.new_tokens} tokens per page:")
+        print(markdown_table([{k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in r.items()}], list(r)))
     return 0
 
 
