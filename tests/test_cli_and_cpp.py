@@ -37,6 +37,30 @@ def test_cli_json_matches_python_api():
     assert out["decode_tokens_per_second"] > 0
 
 
+def test_cli_eval_scores_held_out_pages_like_the_python_api(tmp_path):
+    from ocria_rt.synthdoc import evaluate
+
+    out = tmp_path / "eval.json"
+    r = cli("eval", "--pages", "2", "--max-new-tokens", "24", "--json", str(out), "--seed", "3")
+    assert r.returncode == 0, r.stderr
+    assert "held-out pages" in r.stdout and "CER" in r.stdout
+    got = json.loads(out.read_text())
+    expected = evaluate(ocria_rt.Engine(ocria_rt.pipeline.default_vlm_dir()), n_pages=2, seed=3, max_new_tokens=24)
+    assert got["pages"] == 2 and [p["seed"] for p in got["per_page"]] == [p["seed"] for p in expected["per_page"]]
+    assert got["cer"] == pytest.approx(expected["cer"]) and got["tables"] == expected["tables"]
+    assert all(p["seed"] % 2 == 1 for p in got["per_page"]), "held-out pages have odd seeds"
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--pages", "0"], "--pages must be at least 1"),
+    (["--json", "/nonexistent/dir/eval.json"], "does not exist"),
+    (["--model", str(FIXTURES / "text_tied")], "no vision encoder"),
+])
+def test_cli_eval_bad_arguments(args, match):
+    r = cli("eval", "--pages", "1", "--max-new-tokens", "4", *args)
+    assert r.returncode == 2 and match in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_cli_reports_errors_without_traceback():
     r = cli("generate", "--model", "/nonexistent/model", "--prompt", "x")
     assert r.returncode == 2

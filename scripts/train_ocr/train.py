@@ -416,6 +416,8 @@ def parse_args(argv=None):
     ap.add_argument("--gdn", default="auto", choices=["auto", "torch"],
                     help="auto: flash-linear-attention when importable and it agrees with the torch reference")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="profile this many steps (after 10 warm-up steps of the run) and print the top ops by GPU time")
     args = ap.parse_args(argv)
     if args.smoke:
         args.preset = "smoke"
@@ -594,7 +596,18 @@ def main(argv=None) -> dict:
     replay: collections.deque = collections.deque(maxlen=max(1, args.replay_batches))
     it = iter(loader)
     run_t0 = time.perf_counter()
+    profiler = None
     while True:
+        if args.profile_steps and rs.step == start_step + 10:
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
+                                              + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []))
+            profiler.__enter__()
+        if profiler is not None and rs.step == start_step + 10 + args.profile_steps:
+            profiler.__exit__(None, None, None)
+            sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+            print(f"profile of {args.profile_steps} steps:\n" + profiler.key_averages().table(sort_by=sort, row_limit=30),
+                  flush=True)
+            profiler = None
         if args.max_steps and rs.step >= args.max_steps:
             break
         if stop["flag"]:
