@@ -92,15 +92,15 @@ def _tensors(model: torch.nn.Module, opt: torch.optim.Optimizer | None, fmt: str
             if not st:
                 continue
             name = names[id(p)]
-            m, v = st["exp_avg"].detach().cpu(), st["exp_avg_sq"].detach().cpu()
+            m, v = st["exp_avg"].detach(), st["exp_avg_sq"].detach()
             if fmt == "full":
-                out[f"m/{name}"] = m.float().contiguous()
-                out[f"v/{name}"] = v.float().contiguous()
-            else:
+                out[f"m/{name}"] = m.to("cpu", torch.float32).contiguous()
+                out[f"v/{name}"] = v.to("cpu", torch.float32).contiguous()
+            else:  # coded where the moments live (the GPU: fast, whatever the CPUs are busy with)
                 for key, t, signed in (("m", m, True), ("v", v, False)):
                     q = quantize_log(t, signed)
                     for part, val in q.items():
-                        out[f"{key}/{name}/{part}"] = val
+                        out[f"{key}/{name}/{part}"] = val.cpu()
     return out
 
 
