@@ -33,6 +33,10 @@ namespace {
 // thread are in flight while it multiplies the oldest stage. A thread only reads back what it copied
 // itself, so the ring needs cp.async.wait_group but no barrier. x (at most 16 rows, reused by every
 // block) is read straight from L1.
+//
+// Programmatic dependent launch: W is read-only, so a block issues the ring's first S - 1 stages
+// before pdl_wait(); only then does it read x. The weight stream thereby starts while the kernels
+// before it (norms, attention, the DeltaNet chain) still run.
 // ---------------------------------------------------------------------------------------------
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
@@ -80,6 +84,7 @@ template <int WARPS, int NT, int U, int S, bool GLU, class OutT>
 __global__ void __launch_bounds__(WARPS * 32)
     skinny_gemm_kernel(const bf16* __restrict__ x, int64_t ldx, int64_t glu_off, int M, const bf16* __restrict__ w,
                        int64_t ldw, int N, int K, ParamView bias, bool has_bias, OutT* __restrict__ out, int64_t ldo) {
+  pdl_launch_dependents();
   constexpr int NTH = WARPS * 32;
   extern __shared__ uint4 wring[];      // [S][U][2 rows][NTH]: a thread's slots are column tid
   __shared__ float red[WARPS][16][16];  // [warp][W row][token]
@@ -121,6 +126,7 @@ __global__ void __launch_bounds__(WARPS * 32)
 
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) issue(s);
+  pdl_wait();  // earlier kernels have completed: x may be read, out written
   const uint4 zero = make_uint4(0, 0, 0, 0);
   for (int it = 0; it < iters; ++it) {
     cp_async_wait<S - 2>();  // stage `it` has landed
@@ -224,19 +230,19 @@ __global__ void add_bias_kernel(bf16* __restrict__ out, int64_t ldo, int M, int 
 
 template <int WARPS, int NT, int U, int S, bool GLU, class OutT>
 void launch_skinny_cfg(const bf16* x, int64_t ldx, int64_t glu_off, int M, const bf16* w, int64_t ldw, int N, int K,
-                       ParamView bias, bool has_bias, OutT* out, int64_t ldo, cudaStream_t stream) {
+                       ParamView bias, bool has_bias, OutT* out, int64_t ldo, const LaunchCtx& ctx) {
   constexpr int smem = skinny_smem_bytes<WARPS, U, S>();
   auto kernel = skinny_gemm_kernel<WARPS, NT, U, S, GLU, OutT>;
   // Once per instantiation (thread-safe static initialisation); allowed during graph capture.
   static const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   check_cuda(attr, "cudaFuncSetAttribute (skinny_gemm_kernel)");
-  kernel<<<dim3((N + 15) / 16), WARPS * 32, smem, stream>>>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo);
-  check_launch("skinny_gemm_kernel");
+  launch_pdl(ctx, "skinny_gemm_kernel", kernel, dim3((N + 15) / 16), WARPS * 32, smem, x, ldx, glu_off, M, w, ldw, N,
+             K, bias, has_bias, out, ldo);
 }
 
 template <bool GLU, class OutT>
 void launch_skinny(const bf16* x, int64_t ldx, int64_t glu_off, int M, const bf16* w, int64_t ldw, int N, int K,
-                   ParamView bias, bool has_bias, OutT* out, int64_t ldo, int sm_count, cudaStream_t stream) {
+                   ParamView bias, bool has_bias, OutT* out, int64_t ldo, int sm_count, const LaunchCtx& ctx) {
   const int tiles = (N + 15) / 16;
   // Few row tiles (N = 2560: 160 tiles on 132 SMs) cannot keep enough bytes in flight with 8 warps
   // per tile: give each tile 16 warps then. Ring sizes: 64 KiB (8 warps, 3 blocks per SM) and
@@ -244,14 +250,14 @@ void launch_skinny(const bf16* x, int64_t ldx, int64_t glu_off, int M, const bf1
   const bool wide = tiles < 4 * sm_count;
   if (M <= 8) {
     if (wide)
-      launch_skinny_cfg<16, 1, 2, 3, GLU>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, stream);
+      launch_skinny_cfg<16, 1, 2, 3, GLU>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, ctx);
     else
-      launch_skinny_cfg<8, 1, 2, 4, GLU>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, stream);
+      launch_skinny_cfg<8, 1, 2, 4, GLU>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, ctx);
   } else {
     if (wide)
-      launch_skinny_cfg<16, 2, 2, 3, GLU>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, stream);
+      launch_skinny_cfg<16, 2, 2, 3, GLU>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, ctx);
     else
-      launch_skinny_cfg<8, 2, 2, 4, GLU>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, stream);
+      launch_skinny_cfg<8, 2, 2, 4, GLU>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, ctx);
   }
 }
 
@@ -298,10 +304,10 @@ void CudaBackend::linear(const Tensor& x, const LinearWeight& lw, const Tensor& 
   if (M <= 16 && vec_ok && K > 0) {
     if (out_bf16)
       launch_skinny<false>(xp, ldx, 0, int(M), wp, ldw, int(N), int(K), bias, has_bias, out.ptr<bf16>(), ldo, sm_count_,
-                           stream_);
+                           launch_ctx());
     else
       launch_skinny<false>(xp, ldx, 0, int(M), wp, ldw, int(N), int(K), bias, has_bias, out.ptr<float>(), ldo,
-                           sm_count_, stream_);
+                           sm_count_, launch_ctx());
     return;
   }
   if (M > 16 && out_bf16 && K > 0 &&
@@ -340,7 +346,7 @@ void CudaBackend::linear_swiglu(const Tensor& gate_up, const LinearWeight& lw, c
   }
   activate();
   launch_skinny<true>(xp, gate_up.row_stride, I, int(M), wp, lw.weight.row_stride, int(lw.weight.dim(0)), int(I),
-                      ParamView{}, false, out.ptr<bf16>(), out.row_stride, sm_count_, stream_);
+                      ParamView{}, false, out.ptr<bf16>(), out.row_stride, sm_count_, launch_ctx());
 }
 
 }  // namespace ocria_rt
