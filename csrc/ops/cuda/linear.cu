@@ -6,6 +6,8 @@
 //  - M > 16: CUTLASS sm90 TMA/wgmma GEMM (linear_gemm_sm90.cu), bias added by a second kernel.
 //  - anything the two cannot take (K or a stride not a multiple of 8, misaligned views, F32 output
 //    for M > 16): a simple shared-memory tiled kernel.
+#include <algorithm>
+
 #include "ops/cuda/backend.cuh"
 #include "ops/cuda/linear.cuh"
 
@@ -35,8 +37,9 @@ namespace {
 // block) is read straight from L1.
 //
 // Programmatic dependent launch: W is read-only, so a block issues the ring's first S - 1 stages
-// before pdl_wait(); only then does it read x. The weight stream thereby starts while the kernels
-// before it (norms, attention, the DeltaNet chain) still run.
+// (K range [0, kpre), kpre = (S - 1) * U * WARPS * 32) and an L2 prefetch of the next pf_bytes of
+// each of its 16 rows before pdl_wait(); only then does it read x. The weight stream thereby starts
+// while the kernels before it (norms, attention, the DeltaNet chain) still run.
 // ---------------------------------------------------------------------------------------------
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
@@ -45,6 +48,11 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+// Brings `bytes` (a multiple of 16) of global memory at a 16-byte aligned address into L2 (a hint,
+// carried out asynchronously by the TMA unit).
+__device__ __forceinline__ void prefetch_l2(const void* gmem, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(gmem), "r"(bytes) : "memory");
+}
 
 // c += A(16x16, row) · B(16x8, col), BF16 inputs, fp32 accumulators.
 __device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -61,9 +69,9 @@ template <> __device__ __forceinline__ void store_out<bf16>(bf16* p, float v) { 
 template <> __device__ __forceinline__ void store_out<float>(float* p, float v) { *p = v; }
 
 template <int WARPS, int U, int S> constexpr int skinny_smem_bytes() { return S * U * 2 * WARPS * 32 * 16; }
+// The K range [0, kpre) of the stages issued before pdl_wait().
+template <int WARPS, int U, int S> constexpr int skinny_prologue_k() { return (S - 1) * U * WARPS * 32; }
 
-// Requirements (checked by the caller): K % 8 == 0, ldx % 8 == 0, ldw % 8 == 0, x and w 16-byte
-// aligned, 1 <= M <= 8 * NT. Dynamic shared memory: skinny_smem_bytes<WARPS, U, S>().
 // silu(g) * u on 8 BF16 pairs, rounded to BF16 as the separate silu_mul kernel would store it.
 __device__ __forceinline__ uint4 swiglu8(uint4 g, uint4 u) {
   uint4 r;
@@ -78,12 +86,16 @@ __device__ __forceinline__ uint4 swiglu8(uint4 g, uint4 u) {
   return r;
 }
 
+// Requirements (checked by the caller): K % 8 == 0, ldx % 8 == 0, ldw % 8 == 0, x and w 16-byte
+// aligned, 1 <= M <= 8 * NT; pf_bytes a multiple of 16 with kpre + pf_bytes / 2 <= K (or 0).
+// Dynamic shared memory: skinny_smem_bytes<WARPS, U, S>().
 // GLU: x is a fused [gate | up] row and the GEMM input is silu(gate) * up, formed while loading
 // (up starts glu_off elements after gate), so the MLP's activation needs no kernel of its own.
 template <int WARPS, int NT, int U, int S, bool GLU, class OutT>
 __global__ void __launch_bounds__(WARPS * 32)
     skinny_gemm_kernel(const bf16* __restrict__ x, int64_t ldx, int64_t glu_off, int M, const bf16* __restrict__ w,
-                       int64_t ldw, int N, int K, ParamView bias, bool has_bias, OutT* __restrict__ out, int64_t ldo) {
+                       int64_t ldw, int N, int K, uint32_t pf_bytes, ParamView bias, bool has_bias,
+                       OutT* __restrict__ out, int64_t ldo) {
   pdl_launch_dependents();
   constexpr int NTH = WARPS * 32;
   extern __shared__ uint4 wring[];      // [S][U][2 rows][NTH]: a thread's slots are column tid
@@ -126,6 +138,8 @@ __global__ void __launch_bounds__(WARPS * 32)
 
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) issue(s);
+  if (tid < 16 && pf_bytes > 0 && n0 + tid < N)
+    prefetch_l2(w + int64_t(n0 + tid) * ldw + skinny_prologue_k<WARPS, U, S>(), pf_bytes);
   pdl_wait();  // earlier kernels have completed: x may be read, out written
   const uint4 zero = make_uint4(0, 0, 0, 0);
   for (int it = 0; it < iters; ++it) {
@@ -228,6 +242,11 @@ __global__ void add_bias_kernel(bf16* __restrict__ out, int64_t ldo, int M, int 
   }
 }
 
+// What the skinny GEMMs of one call may prefetch into L2 before their input is ready, all rows
+// together: enough for the whole of a 2560 x 4096 weight beyond the ring's prologue, small next to
+// the 50 MB L2 so that the prefetched lines are still there when the blocks reach them.
+constexpr int64_t kL2PrefetchBudget = int64_t(16) << 20;
+
 template <int WARPS, int NT, int U, int S, bool GLU, class OutT>
 void launch_skinny_cfg(const bf16* x, int64_t ldx, int64_t glu_off, int M, const bf16* w, int64_t ldw, int N, int K,
                        ParamView bias, bool has_bias, OutT* out, int64_t ldo, const LaunchCtx& ctx) {
@@ -236,8 +255,14 @@ void launch_skinny_cfg(const bf16* x, int64_t ldx, int64_t glu_off, int M, const
   // Once per instantiation (thread-safe static initialisation); allowed during graph capture.
   static const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   check_cuda(attr, "cudaFuncSetAttribute (skinny_gemm_kernel)");
+  // L2 prefetch per row: the rest of the row after the prologue, within the budget; whole 128-byte
+  // lines; none when it would be too little to matter (many rows).
+  constexpr int kpre = skinny_prologue_k<WARPS, U, S>();
+  const int64_t rest = K > kpre ? int64_t(K - kpre) * int64_t(sizeof(bf16)) : 0;
+  int64_t pf = std::min(rest, kL2PrefetchBudget / N) & ~int64_t(127);
+  if (pf < 1024) pf = 0;
   launch_pdl(ctx, "skinny_gemm_kernel", kernel, dim3((N + 15) / 16), WARPS * 32, smem, x, ldx, glu_off, M, w, ldw, N,
-             K, bias, has_bias, out, ldo);
+             K, uint32_t(pf), bias, has_bias, out, ldo);
 }
 
 template <bool GLU, class OutT>
