@@ -2,16 +2,18 @@
 and against transformers + flash-linear-attention on the same weights, in the same process.
 
     python bench/decode.py OUT.json [--shapes ocria1-4b,qwen3.5-0.8b] [--prompts 1024,8192]
-                                    [--new-tokens 512] [--peer-tokens 32] [--no-peer]
+                                    [--new-tokens 512] [--peer-tokens 32] [--no-peer] [--no-pdl-off]
 
 Every figure sits beside its ceiling: decode against bytes-per-step / measured copy bandwidth,
-prefill against FLOPs / the measured BF16 matmul rate. Medians over --reps runs.
+prefill against FLOPs / the measured BF16 matmul rate. Medians over --reps runs. Decode is also
+measured with programmatic dependent launch off (OCRIA_RT_PDL=0) unless --no-pdl-off.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -30,9 +32,10 @@ def prefill_flops(c: dict, n: int) -> float:
     return 2.0 * linear_params(c) * n + causal_attn
 
 
-def bench_ours(model_dir: Path, prompt: list[int], new_tokens: int, reps: int) -> dict:
+def bench_ours(model_dir: Path, prompt: list[int], new_tokens: int, reps: int, pdl: bool = True) -> dict:
     import ocria_rt
 
+    os.environ["OCRIA_RT_PDL"] = "1" if pdl else "0"  # read when the engine's backend is constructed
     eng = ocria_rt.Engine(model_dir, device="cuda", max_context=len(prompt) + new_tokens + 8)
     eng.generate(prompt[:64], max_new_tokens=8, stop_token_ids=[])  # warm-up: graph capture, module load
     decode, prefill = [], []
@@ -88,6 +91,7 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=512)
     ap.add_argument("--peer-tokens", type=int, default=32, help="tokens the (slow) peer generates")
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--no-pdl-off", action="store_true", help="skip the decode run with OCRIA_RT_PDL=0")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/ocria-bench"))
     args = ap.parse_args()
@@ -112,6 +116,8 @@ def main() -> int:
             flops = prefill_flops(c, n)
             run = {"shape": shape, "prompt": n, "new_tokens": args.new_tokens, "ours": ours, "bytes_per_step": need,
                    "roofline_tokens_per_s": roof_tps, "prefill_flops": flops}
+            if not args.no_pdl_off:
+                run["ours_pdl_off"] = bench_ours(model_dir, prompt, args.new_tokens, args.reps, pdl=False)
             if not args.no_peer:
                 run["peer"] = bench_peer(model_dir, prompt, args.peer_tokens)
             result["runs"].append(run)
@@ -119,6 +125,8 @@ def main() -> int:
                 "model": shape, "prompt": n,
                 "ours tok/s": f"{ours['decode_tokens_per_s']:.1f}",
                 "ms/step": f"{1e3 / ours['decode_tokens_per_s']:.2f}",
+                "ms/step PDL off": (f"{1e3 / run['ours_pdl_off']['decode_tokens_per_s']:.2f}"
+                                    if "ours_pdl_off" in run else "-"),
                 "roofline tok/s": f"{roof_tps:.1f}",
                 "% roofline": f"{100 * ours['decode_tokens_per_s'] / roof_tps:.1f}",
                 "launches/step": ours["launches_per_step"], "kernels/step": ours["kernels_per_step"],

@@ -126,6 +126,26 @@ void register_op_runner(py::module_& m) {
         r.be().add_rms_norm(res, r.upload(delta, r.act()), r.upload(w, DType::F32), out, eps);
         return py::make_tuple(r.download(res), r.download(out));
       })
+      .def("mlp_chain", [](OpRunner& r, F32Array residual, F32Array delta, F32Array norm_w, F32Array w_gate_up,
+                           F32Array w_down, int layers, float eps) {
+        // `layers` times add_rms_norm (residual += delta) -> linear (gate_up) -> linear_swiglu (delta),
+        // then a last add_rms_norm, all enqueued before anything is read back: dependent kernels
+        // back to back, as in a decode step. Returns (residual, normed).
+        const py::ssize_t M = residual.shape(0), H = residual.shape(1), I2 = w_gate_up.shape(0);
+        LinearWeight gu, down;
+        gu.weight = r.upload(w_gate_up, r.wt());
+        down.weight = r.upload(w_down, r.wt());
+        Tensor res = r.upload(residual, r.act()), d = r.upload(delta, r.act()), w = r.upload(norm_w, DType::F32);
+        Tensor normed = r.poisoned({M, H}, r.act()), gate_up = r.poisoned({M, I2}, r.act());
+        Tensor act = r.poisoned({M, I2 / 2}, r.act());
+        for (int i = 0; i < layers; ++i) {
+          r.be().add_rms_norm(res, d, w, normed, eps);
+          r.be().linear(normed, gu, gate_up);
+          r.be().linear_swiglu(gate_up, down, act, d);
+        }
+        r.be().add_rms_norm(res, d, w, normed, eps);
+        return py::make_tuple(r.download(res), r.download(normed));
+      })
       .def("layer_norm", [](OpRunner& r, F32Array x, F32Array w, F32Array b, float eps) {
         Tensor out = r.poisoned({x.shape(0), x.shape(1)}, r.act());
         r.be().layer_norm(r.upload(x, r.act()), r.upload(w, DType::F32), r.upload(b, DType::F32), out, eps);

@@ -92,6 +92,24 @@ def test_graph_replay_equals_eager(sampling):
     assert stats["kernels_per_decode_step"] > 8 * 3  # the whole step is in the one graph
 
 
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.9, top_k=40, top_p=0.95, seed=5)])
+def test_pdl_off_gives_identical_results(monkeypatch, sampling):
+    """Programmatic dependent launch changes when kernels start, not what they compute: the decode
+    graph's tokens and the eager token-by-token logits are the same bits with it off
+    (OCRIA_RT_PDL=0, read when the engine's backend is constructed)."""
+    d = FIXTURES / "text_tied"
+    prompt = list(load_reference("text_tied")["greedy_prompt"])
+    runs = {}
+    for pdl in ("1", "0"):
+        monkeypatch.setenv("OCRIA_RT_PDL", pdl)
+        eng = ocria_rt.Engine(d, device="cuda")
+        tokens = eng.generate(prompt, max_new_tokens=64, stop_token_ids=[], **sampling).token_ids
+        runs[pdl] = (tokens, eng.score(prompt + tokens[:16], chunk=1), eng.stats()["kernels_per_decode_step"])
+    assert runs["1"][0] == runs["0"][0]
+    np.testing.assert_array_equal(runs["1"][1], runs["0"][1])
+    assert runs["1"][2] == runs["0"][2]
+
+
 def test_generations_in_a_row_do_not_leak():
     d = FIXTURES / "text_tied"
     ref = load_reference("text_tied")

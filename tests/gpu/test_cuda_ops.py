@@ -20,6 +20,7 @@ pytestmark = pytest.mark.gpu
 
 OUT_TOL = 1e-2  # a BF16 output against the fp32 reference
 STATE_TOL = 2e-3  # fp32 state through BF16 inputs
+CHAIN_TOL = 2e-2  # several BF16 ops in a row against the fp32 reference
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +93,38 @@ def test_linear_swiglu(cpu, gpu, T, I, N):
     rng = np.random.default_rng(T + I + N)
     gu, w = randn(rng, T, 2 * I, scale=2), randn(rng, N, I, scale=I ** -0.5)
     assert relerr(gpu.linear_swiglu(gu, w), cpu.linear_swiglu(gu, w)) <= OUT_TOL
+
+
+# ---- programmatic dependent launch: dependent kernels back to back ----
+
+# (M, H, I): H = 2560 with I = 4608 takes both skinny-GEMM configurations (gate_up N = 9216: 8 warps
+# per tile; down N = 2560: 16 warps) with their L2 weight prefetch; the odd shape mixes PDL kernels
+# with ordinary launches (unfused silu_mul + fallback GEMM, K % 8 != 0).
+CHAIN_CASES = [(1, 2560, 4608), (5, 2560, 4608), (16, 2560, 4608), (3, 1000, 1500)]
+
+
+@pytest.mark.parametrize("M,H,I", CHAIN_CASES)
+def test_dependent_op_chain(cpu, monkeypatch, M, H, I):
+    """add_rms_norm -> linear -> linear_swiglu three times, then add_rms_norm, enqueued without host
+    synchronisation in between, so that with PDL each kernel starts while its predecessor still runs
+    and buffers are rewritten while earlier kernels may still read them. Against the CPU, and bit
+    for bit against the same chain with PDL off (same kernels, same arithmetic: a missing
+    pdl_wait() shows as a difference)."""
+    rng = np.random.default_rng(M + H + I)
+    res, delta = randn(rng, M, H, scale=3), randn(rng, M, H)
+    norm_w = randn(rng, H, scale=0.1)
+    w_gate_up, w_down = randn(rng, 2 * I, H, scale=H ** -0.5), randn(rng, H, I, scale=I ** -0.5)
+    args = (res, delta, norm_w, w_gate_up, w_down, 3, 1e-6)
+    want_res, want_out = cpu.mlp_chain(*args)
+    got = {}
+    for pdl in ("1", "0"):  # the backend reads OCRIA_RT_PDL when it is constructed
+        monkeypatch.setenv("OCRIA_RT_PDL", pdl)
+        got[pdl] = _core.OpRunner("cuda").mlp_chain(*args)
+    got_res, got_out = got["1"]
+    assert relerr(got_res, want_res) <= CHAIN_TOL
+    assert relerr(got_out, want_out) <= CHAIN_TOL
+    np.testing.assert_array_equal(got["0"][0], got_res)
+    np.testing.assert_array_equal(got["0"][1], got_out)
 
 
 # ---- attention: prepare (norms, RoPE, cache write) and split-K decode / simple prefill ----

@@ -49,9 +49,11 @@ __global__ void __launch_bounds__(kPrepWarps * 32)
                              T* __restrict__ k_cache, T* __restrict__ v_cache, int64_t ldc, int n_tokens, int Hq,
                              int Hkv, int hd, int rot, float theta, float eps) {
   __shared__ float buf[kPrepWarps][256];
+  pdl_launch_dependents();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t item = int64_t(blockIdx.x) * kPrepWarps + warp;
   const int heads = Hq + Hkv;
+  pdl_wait();  // qkv and the positions come from earlier kernels
   if (item >= int64_t(n_tokens) * heads) return;
   const int t = int(item / heads), slot = int(item % heads);
   const bool is_q = slot < Hq;
@@ -113,8 +115,10 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   constexpr int HD = 32 * E;
   __shared__ float m_s[kAttnWarps][GM], l_s[kAttnWarps][GM];
   __shared__ float acc_s[kAttnWarps][GM][HD];
+  pdl_launch_dependents();
   const int split = blockIdx.x, kvh = blockIdx.y, t = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  pdl_wait();  // q, the caches and the positions come from earlier kernels
   const int len = positions[t] + 1;
   const int chunk = max((len + nsplit - 1) / nsplit, kMinChunk);
   const int start = split * chunk, end = min(len, start + chunk);
@@ -224,6 +228,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
 // Merges the splits of one (token, q head): out = (sum_s A_s 2^(m_s - M)) / (sum_s L_s 2^(m_s - M)) * sigmoid(gate).
 __global__ void attention_combine_kernel(const float* __restrict__ part, const bf16* __restrict__ qkv, int64_t ldqkv,
                                          bf16* __restrict__ out, int64_t ldo, int Hq, int hd, int nsplit) {
+  pdl_launch_dependents();
+  pdl_wait();  // the partial results come from attention_kernel
   const int h = blockIdx.x, t = blockIdx.y;
   const float* pp = part + (int64_t(t) * Hq + h) * nsplit * (hd + 2);
   float M = -INFINITY;
@@ -245,18 +251,17 @@ __global__ void attention_combine_kernel(const float* __restrict__ part, const b
 template <int E>
 void launch_attention_e(int GM, dim3 grid, const bf16* q, int64_t ldq, const bf16* kc, const bf16* vc, int64_t ldc,
                         const bf16* qkv, int64_t ldqkv, const int32_t* pos, float* part, bf16* out, int64_t ldo, int Hq,
-                        int G, int nsplit, float scale_log2, cudaStream_t s) {
-#define OCRIA_ATTN_LAUNCH(GMV)                                                                                      \
-  attention_kernel<E, GMV><<<grid, kAttnWarps * 32, 0, s>>>(q, ldq, kc, vc, ldc, qkv, ldqkv, pos, part, out, ldo, \
-                                                            Hq, G, nsplit, scale_log2)
+                        int G, int nsplit, float scale_log2, const LaunchCtx& ctx) {
+  auto launch = [&](auto kernel) {
+    launch_pdl(ctx, "attention_kernel", kernel, grid, kAttnWarps * 32, 0, q, ldq, kc, vc, ldc, qkv, ldqkv, pos, part,
+               out, ldo, Hq, G, nsplit, scale_log2);
+  };
   switch (GM) {
-    case 1: OCRIA_ATTN_LAUNCH(1); break;
-    case 2: OCRIA_ATTN_LAUNCH(2); break;
-    case 4: OCRIA_ATTN_LAUNCH(4); break;
-    default: OCRIA_ATTN_LAUNCH(8); break;
+    case 1: launch(attention_kernel<E, 1>); break;
+    case 2: launch(attention_kernel<E, 2>); break;
+    case 4: launch(attention_kernel<E, 4>); break;
+    default: launch(attention_kernel<E, 8>); break;
   }
-#undef OCRIA_ATTN_LAUNCH
-  check_launch("attention_kernel");
 }
 
 }  // namespace
@@ -290,13 +295,12 @@ void CudaBackend::attention_prepare(const Tensor& qkv, const Tensor& q_norm, con
   activate();
   const int64_t items = T * (Hq + Hkv);
   const unsigned blocks = unsigned((items + kPrepWarps - 1) / kPrepWarps);
-  attention_prepare_kernel<bf16><<<blocks, kPrepWarps * 32, 0, stream_>>>(
-      qkv.ptr<const bf16>(), qkv.row_stride, qn, kn, positions.ptr<const int32_t>(),
-      rope_positions.ptr<const int32_t>(), rope_positions.ndim == 2 ? rope_positions.row_stride : 3,
-      MropeSection{{p.mrope_section[0], p.mrope_section[1], p.mrope_section[2]}}, q_out.ptr<bf16>(), q_out.row_stride,
-      k_cache.ptr<bf16>(), v_cache.ptr<bf16>(), k_cache.row_stride, int(T), int(Hq), int(Hkv), int(hd),
-      int(p.rotary_dim), p.rope_theta, p.norm_eps);
-  check_launch("attention_prepare_kernel");
+  launch_pdl(launch_ctx(), "attention_prepare_kernel", attention_prepare_kernel<bf16>, blocks, kPrepWarps * 32, 0,
+             qkv.ptr<const bf16>(), qkv.row_stride, qn, kn, positions.ptr<const int32_t>(),
+             rope_positions.ptr<const int32_t>(), rope_positions.ndim == 2 ? rope_positions.row_stride : 3,
+             MropeSection{{p.mrope_section[0], p.mrope_section[1], p.mrope_section[2]}}, q_out.ptr<bf16>(),
+             q_out.row_stride, k_cache.ptr<bf16>(), v_cache.ptr<bf16>(), k_cache.row_stride, int(T), int(Hq), int(Hkv),
+             int(hd), int(p.rotary_dim), p.rope_theta, p.norm_eps);
 }
 
 void CudaBackend::attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& qkv,
@@ -348,25 +352,25 @@ void CudaBackend::attention(const Tensor& q, const Tensor& k_cache, const Tensor
   switch (hd) {
     case 32:
       launch_attention_e<1>(GM, grid, qp, ldq, kc, vc, ldc, gp, qkv.row_stride, pp, part, out.ptr<bf16>(),
-                            out.row_stride, int(Hq), G, int(nsplit), scale_log2, stream_);
+                            out.row_stride, int(Hq), G, int(nsplit), scale_log2, launch_ctx());
       break;
     case 64:
       launch_attention_e<2>(GM, grid, qp, ldq, kc, vc, ldc, gp, qkv.row_stride, pp, part, out.ptr<bf16>(),
-                            out.row_stride, int(Hq), G, int(nsplit), scale_log2, stream_);
+                            out.row_stride, int(Hq), G, int(nsplit), scale_log2, launch_ctx());
       break;
     case 128:
       launch_attention_e<4>(GM, grid, qp, ldq, kc, vc, ldc, gp, qkv.row_stride, pp, part, out.ptr<bf16>(),
-                            out.row_stride, int(Hq), G, int(nsplit), scale_log2, stream_);
+                            out.row_stride, int(Hq), G, int(nsplit), scale_log2, launch_ctx());
       break;
     default:
       launch_attention_e<8>(GM, grid, qp, ldq, kc, vc, ldc, gp, qkv.row_stride, pp, part, out.ptr<bf16>(),
-                            out.row_stride, int(Hq), G, int(nsplit), scale_log2, stream_);
+                            out.row_stride, int(Hq), G, int(nsplit), scale_log2, launch_ctx());
       break;
   }
   if (nsplit > 1) {
-    attention_combine_kernel<<<dim3(unsigned(Hq), unsigned(T)), unsigned(std::min<int64_t>(hd, 256)), 0, stream_>>>(
-        part, gp, qkv.row_stride, out.ptr<bf16>(), out.row_stride, int(Hq), int(hd), int(nsplit));
-    check_launch("attention_combine_kernel");
+    launch_pdl(launch_ctx(), "attention_combine_kernel", attention_combine_kernel, dim3(unsigned(Hq), unsigned(T)),
+               unsigned(std::min<int64_t>(hd, 256)), 0, part, gp, qkv.row_stride, out.ptr<bf16>(), out.row_stride,
+               int(Hq), int(hd), int(nsplit));
   }
 }
 

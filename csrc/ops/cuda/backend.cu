@@ -4,6 +4,7 @@
 #include "core/float_convert.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -98,6 +99,8 @@ RowLayout row_layout(const Tensor& t) {
 using cuda::check_cuda;
 
 CudaBackend::CudaBackend(int device_index) : device_(device_index) {
+  const char* pdl_env = std::getenv("OCRIA_RT_PDL");
+  pdl_ = !(pdl_env && std::strcmp(pdl_env, "0") == 0);
   int count = 0;
   check_cuda(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
   if (device_index < 0 || device_index >= count)
@@ -328,6 +331,8 @@ void CudaBackend::replay() {
 namespace {
 // counter[i] += by over a (possibly row-strided) I32 tensor of rows x cols.
 __global__ void increment_kernel(int32_t* counter, int64_t rows, int64_t cols, int64_t stride, int32_t by) {
+  cuda::pdl_launch_dependents();
+  cuda::pdl_wait();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows * cols; i += int64_t(gridDim.x) * blockDim.x)
     counter[(i / cols) * stride + i % cols] += by;
 }
@@ -340,8 +345,8 @@ void CudaBackend::increment(const Tensor& counter, int32_t by) {
   const RowLayout L = row_layout(counter);
   const int64_t n = L.rows * L.row_elems;
   const unsigned blocks = unsigned(std::min<int64_t>((n + 255) / 256, 1024));
-  increment_kernel<<<blocks, 256, 0, stream_>>>(counter.ptr<int32_t>(), L.rows, L.row_elems, L.stride, by);
-  cuda::check_launch("increment_kernel");
+  cuda::launch_pdl(launch_ctx(), "increment_kernel", increment_kernel, blocks, 256, 0, counter.ptr<int32_t>(), L.rows,
+                   L.row_elems, L.stride, by);
 }
 
 void CudaBackend::copy(const Tensor& dst, const Tensor& src) {

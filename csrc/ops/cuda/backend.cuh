@@ -9,6 +9,23 @@
 // The class is declared here; its methods are defined in the file of their op family
 // (embedding.cu, linear.cu, norm.cu, activation.cu, attention.cu, gdn.cu, sampling.cu) and the
 // memory / stream methods in backend.cu.
+//
+// Programmatic dependent launch (PDL, sm_90). The kernels of the decode path are launched with
+// launch_pdl(), which lets a kernel start while the kernel before it on the stream still runs: its
+// blocks become resident early, and it can fetch weights during its predecessor's tail instead of
+// after a full drain and launch gap. Such a kernel
+//  - calls pdl_launch_dependents() (at entry), allowing the next kernel to be scheduled in turn;
+//  - calls pdl_wait() in every thread, before its first read of anything an earlier kernel wrote
+//    and before its first global write (a write could race with a predecessor still reading the
+//    buffer). Before the wait it may only read data no kernel of the stream writes: weights, norm
+//    weights, constants.
+// pdl_wait() returns once the predecessor has completed and its memory is visible; since that
+// predecessor only completed after its own wait returned, everything earlier has completed too.
+// Weights handed to ops must therefore never be written by kernels (they are uploaded with
+// copy_from_host, which synchronises). Kernels launched the ordinary way (prefill-only kernels,
+// CUTLASS) wait for all earlier work as usual. OCRIA_RT_PDL=0 in the environment, read when a
+// backend is constructed, launches everything the ordinary way (pdl_wait() and
+// pdl_launch_dependents() are then no-ops), for comparison and debugging.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -16,6 +33,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "ops/ops.h"
 
@@ -45,6 +63,45 @@ inline void check_launch(const char* what) { check_cuda(cudaGetLastError(), what
 void require_tensor(const Tensor& t, DType dtype, const char* op, const char* name);
 // Same, F32 or BF16.
 void require_float(const Tensor& t, const char* op, const char* name);
+
+// ---- programmatic dependent launch (see the top of this file) ----
+
+// Where an op launches its kernels: the backend's stream, and whether launch_pdl() uses PDL.
+struct LaunchCtx {
+  cudaStream_t stream = nullptr;
+  bool pdl = false;
+};
+
+// kernel<<<grid, block, smem, ctx.stream>>>(args...), as a programmatic dependent launch when
+// ctx.pdl. `what` names the kernel in the error message. The kernel must follow the rules above.
+template <class... Params, class... Args>
+void launch_pdl(const LaunchCtx& ctx, const char* what, void (*kernel)(Params...), dim3 grid, dim3 block,
+                size_t smem, Args&&... args) {
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = ctx.stream;
+  cfg.attrs = ctx.pdl ? &attr : nullptr;
+  cfg.numAttrs = ctx.pdl ? 1 : 0;
+  check_cuda(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...), what);
+}
+
+// Waits until the kernels this one depends on have completed and their writes are visible.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+// Lets the next kernel on the stream be scheduled (it still waits for our completion in pdl_wait()).
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
 
 // ---- element helpers ----
 
@@ -110,6 +167,9 @@ class CudaBackend final : public Backend {
   cudaStream_t stream() const { return stream_; }
   int device_index() const { return device_; }
   int sm_count() const { return sm_count_; }
+  // Whether decode-path kernels go out as programmatic dependent launches (OCRIA_RT_PDL != "0" in
+  // the environment when the backend was constructed).
+  bool pdl() const { return pdl_; }
   // Grows the op workspace to at least `bytes` (it starts at kDefaultWorkspaceBytes). Call before
   // capturing graphs; ops never allocate. Sampling of R rows of V logits needs about R * V * 4 bytes
   // (rows beyond what fits are processed in several launches), attention about
@@ -170,14 +230,18 @@ class CudaBackend final : public Backend {
  private:
   // Makes device_ current on the calling thread (cheap when it already is).
   void activate() const;
+  cuda::LaunchCtx launch_ctx() const { return {stream_, pdl_}; }
   void free_resources() noexcept;
   void gdn_run(const char* op, const Tensor& qkv, const Tensor& ba, const Tensor& A_log, const Tensor& dt_bias,
                const Tensor& state, const GdnParams& p, const Tensor& out);
 
   int device_ = 0;
   int sm_count_ = 0;
+  bool pdl_ = true;
   cudaStream_t stream_ = nullptr;
-  void* workspace_ = nullptr;  // op scratch; ops on the one stream never overlap, so they share it
+  // Op scratch, shared by all ops: kernels on the one stream only touch it after pdl_wait(), when
+  // every earlier kernel has completed.
+  void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
   // Pinned staging for host copies: two halves, so that converting one chunk on the host overlaps
   // the transfer of the previous one.

@@ -19,14 +19,17 @@ constexpr int kTokens = 64;
 template <class T>
 __global__ void conv_kernel(const T* __restrict__ x, int64_t ldx, ParamView w, float* __restrict__ state,
                             T* __restrict__ out, int64_t ldo, int T_, int C, int K, bool update_state) {
+  pdl_launch_dependents();
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= C) return;
-  const int t0 = blockIdx.y * kTokens, t1 = min(T_, t0 + kTokens);
   const int lead = kMaxWidth - K;  // unused front slots
   float wr[kMaxWidth], win[kMaxWidth];
 #pragma unroll
+  for (int i = 0; i < kMaxWidth; ++i) wr[i] = i >= lead && c < C ? w[int64_t(c) * K + (i - lead)] : 0.0f;
+  pdl_wait();  // the weights are read-only; x and the state come from earlier kernels
+  if (c >= C) return;
+  const int t0 = blockIdx.y * kTokens, t1 = min(T_, t0 + kTokens);
+#pragma unroll
   for (int i = 0; i < kMaxWidth; ++i) {
-    wr[i] = i >= lead ? w[int64_t(c) * K + (i - lead)] : 0.0f;
     // Before token t0: win[lead + 1 + j] = in[t0 + j], j < K-1; in[p] = state[p] (p < K-1) or x[p - (K-1)].
     const int j = i - lead - 1;
     win[i] = 0.0f;
@@ -64,15 +67,14 @@ __global__ void conv_state_kernel(const T* __restrict__ x, int64_t ldx, float* _
 
 template <class T>
 void launch(const Tensor& x, ParamView w, const Tensor& state, const Tensor& out, int T_, int C, int K,
-            cudaStream_t s) {
+            const LaunchCtx& ctx) {
   const int chunks = (T_ + kTokens - 1) / kTokens;
   dim3 grid(unsigned((C + 127) / 128), unsigned(chunks));
-  conv_kernel<T><<<grid, 128, 0, s>>>(x.ptr<const T>(), x.row_stride, w, state.ptr<float>(), out.ptr<T>(),
-                                      out.row_stride, T_, C, K, chunks == 1);
-  check_launch("conv_kernel");
-  if (chunks > 1) {
-    conv_state_kernel<T><<<unsigned((C + 127) / 128), 128, 0, s>>>(x.ptr<const T>(), x.row_stride, state.ptr<float>(),
-                                                                   T_, C, K);
+  launch_pdl(ctx, "conv_kernel", conv_kernel<T>, grid, 128, 0, x.ptr<const T>(), x.row_stride, w, state.ptr<float>(),
+             out.ptr<T>(), out.row_stride, T_, C, K, chunks == 1);
+  if (chunks > 1) {  // prefill only: an ordinary launch, after conv_kernel has completed
+    conv_state_kernel<T><<<unsigned((C + 127) / 128), 128, 0, ctx.stream>>>(x.ptr<const T>(), x.row_stride,
+                                                                            state.ptr<float>(), T_, C, K);
     check_launch("conv_state_kernel");
   }
 }
@@ -99,9 +101,9 @@ void CudaBackend::gdn_conv(const Tensor& x, const Tensor& conv_weight, const Ten
   if (T == 0 || C == 0) return;
   activate();
   if (x.dtype == DType::BF16)
-    launch<bf16>(x, w, conv_state, out, int(T), int(C), int(K), stream_);
+    launch<bf16>(x, w, conv_state, out, int(T), int(C), int(K), launch_ctx());
   else
-    launch<float>(x, w, conv_state, out, int(T), int(C), int(K), stream_);
+    launch<float>(x, w, conv_state, out, int(T), int(C), int(K), launch_ctx());
 }
 
 }  // namespace ocria_rt

@@ -8,6 +8,8 @@ namespace {
 template <class TI, class TO, int V>
 __global__ void embedding_kernel(const TI* __restrict__ table, int64_t ldt, const int32_t* __restrict__ ids,
                                  TO* __restrict__ out, int64_t ldo, int D) {
+  pdl_launch_dependents();
+  pdl_wait();  // ids (the last sampled token when decoding) come from an earlier kernel
   const int64_t t = blockIdx.y;
   const TI* src = table + int64_t(ids[t]) * ldt;
   for (int c = (blockIdx.x * blockDim.x + threadIdx.x) * V; c < D; c += gridDim.x * blockDim.x * V) {
@@ -20,7 +22,7 @@ __global__ void embedding_kernel(const TI* __restrict__ table, int64_t ldt, cons
 }
 
 template <class TI, class TO>
-void launch(const Tensor& table, const Tensor& ids, const Tensor& out, int64_t T, int64_t D, cudaStream_t s) {
+void launch(const Tensor& table, const Tensor& ids, const Tensor& out, int64_t T, int64_t D, const LaunchCtx& ctx) {
   constexpr int V = 8;  // 16 bytes of BF16
   const bool vec = vec_ok(table.data, table.row_stride, D, V, sizeof(TI)) &&
                    vec_ok(out.data, out.row_stride, D, V, sizeof(TO));
@@ -28,12 +30,11 @@ void launch(const Tensor& table, const Tensor& ids, const Tensor& out, int64_t T
   unsigned bx = unsigned(std::min<int64_t>(16, std::max<int64_t>(1, (D / per + 255) / 256)));
   dim3 grid(bx, unsigned(T));
   if (vec)
-    embedding_kernel<TI, TO, V><<<grid, 256, 0, s>>>(table.ptr<const TI>(), table.row_stride, ids.ptr<const int32_t>(),
-                                                     out.ptr<TO>(), out.row_stride, int(D));
+    launch_pdl(ctx, "embedding_kernel", embedding_kernel<TI, TO, V>, grid, 256, 0, table.ptr<const TI>(),
+               table.row_stride, ids.ptr<const int32_t>(), out.ptr<TO>(), out.row_stride, int(D));
   else
-    embedding_kernel<TI, TO, 1><<<grid, 256, 0, s>>>(table.ptr<const TI>(), table.row_stride, ids.ptr<const int32_t>(),
-                                                     out.ptr<TO>(), out.row_stride, int(D));
-  check_launch("embedding_kernel");
+    launch_pdl(ctx, "embedding_kernel", embedding_kernel<TI, TO, 1>, grid, 256, 0, table.ptr<const TI>(),
+               table.row_stride, ids.ptr<const int32_t>(), out.ptr<TO>(), out.row_stride, int(D));
 }
 
 }  // namespace
@@ -52,10 +53,10 @@ void CudaBackend::embedding(const Tensor& table, const Tensor& ids, const Tensor
   if (T == 0 || D == 0) return;
   activate();
   const bool tb = table.dtype == DType::BF16, ob = out.dtype == DType::BF16;
-  if (tb && ob) launch<bf16, bf16>(table, ids, out, T, D, stream_);
-  else if (tb) launch<bf16, float>(table, ids, out, T, D, stream_);
-  else if (ob) launch<float, bf16>(table, ids, out, T, D, stream_);
-  else launch<float, float>(table, ids, out, T, D, stream_);
+  if (tb && ob) launch<bf16, bf16>(table, ids, out, T, D, launch_ctx());
+  else if (tb) launch<bf16, float>(table, ids, out, T, D, launch_ctx());
+  else if (ob) launch<float, bf16>(table, ids, out, T, D, launch_ctx());
+  else launch<float, float>(table, ids, out, T, D, launch_ctx());
 }
 
 }  // namespace ocria_rt

@@ -38,6 +38,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   __shared__ float beta_s[kTokChunk], decay_s[kTokChunk], kq_s[kTokChunk];
   __shared__ float red[2][kWarps][32][2];  // [token parity][warp][column] (S^T k, S^T q) partial sums
 
+  pdl_launch_dependents();
   const int h = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int col = blockIdx.y * 32 + lane;
   const bool col_ok = col < dv;  // dv need not be a multiple of 32: surplus lanes carry zeros
@@ -45,6 +46,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int64_t q_off = int64_t(hk) * DK, k_off = int64_t(HK + hk) * DK, v_off = int64_t(2 * HK) * DK + int64_t(h) * dv;
   const float q_scale = rsqrtf(float(DK));
   const float neg_A = -__expf(A_log[h]), dtb = dt_bias[h];
+  pdl_wait();  // A_log and dt_bias are read-only; the state and the inputs come from earlier kernels
 
   float* Sp = state + int64_t(h) * DK * dv + int64_t(warp * R) * dv + col;
   float S[R];
@@ -135,8 +137,10 @@ template <class T>
 __global__ void gated_norm_kernel(const T* __restrict__ o, int64_t ldo_in, const T* __restrict__ z, int64_t ldz,
                                   ParamView w, T* __restrict__ out, int64_t ldo, int64_t rows, int HV, int dv,
                                   float eps) {
+  pdl_launch_dependents();
   const int64_t r = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
+  pdl_wait();  // o and z come from earlier kernels
   if (r >= rows) return;
   const int64_t t = r / HV, h = r % HV;
   const T* orow = o + t * ldo_in + h * dv;
@@ -154,12 +158,12 @@ __global__ void gated_norm_kernel(const T* __restrict__ o, int64_t ldo_in, const
 
 template <class T>
 void launch_recurrent(int dk, dim3 grid, const Tensor& qkv, const Tensor& ba, ParamView A_log, ParamView dt_bias,
-                      const Tensor& state, const Tensor& out, int n, int HK, int HV, int dv, cudaStream_t s) {
+                      const Tensor& state, const Tensor& out, int n, int HK, int HV, int dv, const LaunchCtx& ctx) {
   const T* q = qkv.ptr<const T>();
   const T* b = ba.ptr<const T>();
   auto launch = [&](auto kernel) {
-    kernel<<<grid, kWarps * 32, 0, s>>>(q, qkv.row_stride, b, ba.row_stride, A_log, dt_bias, state.ptr<float>(),
-                                        out.ptr<T>(), out.row_stride, n, HK, HV, dv);
+    launch_pdl(ctx, "gdn_recurrent_kernel", kernel, grid, kWarps * 32, 0, q, qkv.row_stride, b, ba.row_stride, A_log,
+               dt_bias, state.ptr<float>(), out.ptr<T>(), out.row_stride, n, HK, HV, dv);
   };
   switch (dk) {
     case 16: launch(gdn_recurrent_kernel<16, T>); break;
@@ -168,7 +172,6 @@ void launch_recurrent(int dk, dim3 grid, const Tensor& qkv, const Tensor& ba, Pa
     case 128: launch(gdn_recurrent_kernel<128, T>); break;
     case 256: launch(gdn_recurrent_kernel<256, T>); break;
   }
-  check_launch("gdn_recurrent_kernel");
 }
 
 }  // namespace
@@ -199,9 +202,11 @@ void CudaBackend::gdn_run(const char* op, const Tensor& qkv, const Tensor& ba, c
   activate();
   dim3 grid{unsigned(HV), unsigned((dv + 31) / 32)};
   if (qkv.dtype == DType::BF16)
-    launch_recurrent<bf16>(int(dk), grid, qkv, ba, a_log, dtb, state, out, int(T), int(HK), int(HV), int(dv), stream_);
+    launch_recurrent<bf16>(int(dk), grid, qkv, ba, a_log, dtb, state, out, int(T), int(HK), int(HV), int(dv),
+                           launch_ctx());
   else
-    launch_recurrent<float>(int(dk), grid, qkv, ba, a_log, dtb, state, out, int(T), int(HK), int(HV), int(dv), stream_);
+    launch_recurrent<float>(int(dk), grid, qkv, ba, a_log, dtb, state, out, int(T), int(HK), int(HV), int(dv),
+                            launch_ctx());
 }
 
 void CudaBackend::gdn_recurrent(const Tensor& qkv, const Tensor& ba, const Tensor& A_log, const Tensor& dt_bias,
@@ -233,16 +238,13 @@ void CudaBackend::gdn_gated_norm(const Tensor& o, const Tensor& z, const Tensor&
   constexpr int kRowsPerBlock = 4;
   const unsigned blocks = unsigned((rows + kRowsPerBlock - 1) / kRowsPerBlock);
   if (o.dtype == DType::BF16)
-    gated_norm_kernel<bf16><<<blocks, kRowsPerBlock * 32, 0, stream_>>>(o.ptr<const bf16>(), o.row_stride,
-                                                                         z.ptr<const bf16>(), z.row_stride, w,
-                                                                         out.ptr<bf16>(), out.row_stride, rows, int(HV),
-                                                                         int(dv), p.norm_eps);
+    launch_pdl(launch_ctx(), "gated_norm_kernel", gated_norm_kernel<bf16>, blocks, kRowsPerBlock * 32, 0,
+               o.ptr<const bf16>(), o.row_stride, z.ptr<const bf16>(), z.row_stride, w, out.ptr<bf16>(), out.row_stride,
+               rows, int(HV), int(dv), p.norm_eps);
   else
-    gated_norm_kernel<float><<<blocks, kRowsPerBlock * 32, 0, stream_>>>(o.ptr<const float>(), o.row_stride,
-                                                                          z.ptr<const float>(), z.row_stride, w,
-                                                                          out.ptr<float>(), out.row_stride, rows,
-                                                                          int(HV), int(dv), p.norm_eps);
-  check_launch("gated_norm_kernel");
+    launch_pdl(launch_ctx(), "gated_norm_kernel", gated_norm_kernel<float>, blocks, kRowsPerBlock * 32, 0,
+               o.ptr<const float>(), o.row_stride, z.ptr<const float>(), z.row_stride, w, out.ptr<float>(),
+               out.row_stride, rows, int(HV), int(dv), p.norm_eps);
 }
 
 }  // namespace ocria_rt

@@ -6,6 +6,8 @@
 //  - M > 16: CUTLASS sm90 TMA/wgmma GEMM (linear_gemm_sm90.cu), bias added by a second kernel.
 //  - anything the two cannot take (K or a stride not a multiple of 8, misaligned views, F32 output
 //    for M > 16): a simple shared-memory tiled kernel.
+#include <algorithm>
+
 #include "ops/cuda/backend.cuh"
 #include "ops/cuda/linear.cuh"
 
@@ -33,6 +35,11 @@ namespace {
 // thread are in flight while it multiplies the oldest stage. A thread only reads back what it copied
 // itself, so the ring needs cp.async.wait_group but no barrier. x (at most 16 rows, reused by every
 // block) is read straight from L1.
+//
+// Programmatic dependent launch: W is read-only, so a block issues the ring's first S - 1 stages
+// (K range [0, kpre), kpre = (S - 1) * U * WARPS * 32) and an L2 prefetch of the next pf_bytes of
+// each of its 16 rows before pdl_wait(); only then does it read x. The weight stream thereby starts
+// while the kernels before it (norms, attention, the DeltaNet chain) still run.
 // ---------------------------------------------------------------------------------------------
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
@@ -41,6 +48,11 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+// Brings `bytes` (a multiple of 16) of global memory at a 16-byte aligned address into L2 (a hint,
+// carried out asynchronously by the TMA unit).
+__device__ __forceinline__ void prefetch_l2(const void* gmem, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(gmem), "r"(bytes) : "memory");
+}
 
 // c += A(16x16, row) · B(16x8, col), BF16 inputs, fp32 accumulators.
 __device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -57,9 +69,9 @@ template <> __device__ __forceinline__ void store_out<bf16>(bf16* p, float v) { 
 template <> __device__ __forceinline__ void store_out<float>(float* p, float v) { *p = v; }
 
 template <int WARPS, int U, int S> constexpr int skinny_smem_bytes() { return S * U * 2 * WARPS * 32 * 16; }
+// The K range [0, kpre) of the stages issued before pdl_wait().
+template <int WARPS, int U, int S> constexpr int skinny_prologue_k() { return (S - 1) * U * WARPS * 32; }
 
-// Requirements (checked by the caller): K % 8 == 0, ldx % 8 == 0, ldw % 8 == 0, x and w 16-byte
-// aligned, 1 <= M <= 8 * NT. Dynamic shared memory: skinny_smem_bytes<WARPS, U, S>().
 // silu(g) * u on 8 BF16 pairs, rounded to BF16 as the separate silu_mul kernel would store it.
 __device__ __forceinline__ uint4 swiglu8(uint4 g, uint4 u) {
   uint4 r;
@@ -74,12 +86,17 @@ __device__ __forceinline__ uint4 swiglu8(uint4 g, uint4 u) {
   return r;
 }
 
+// Requirements (checked by the caller): K % 8 == 0, ldx % 8 == 0, ldw % 8 == 0, x and w 16-byte
+// aligned, 1 <= M <= 8 * NT; pf_bytes a multiple of 16 with kpre + pf_bytes / 2 <= K (or 0).
+// Dynamic shared memory: skinny_smem_bytes<WARPS, U, S>().
 // GLU: x is a fused [gate | up] row and the GEMM input is silu(gate) * up, formed while loading
 // (up starts glu_off elements after gate), so the MLP's activation needs no kernel of its own.
 template <int WARPS, int NT, int U, int S, bool GLU, class OutT>
 __global__ void __launch_bounds__(WARPS * 32)
     skinny_gemm_kernel(const bf16* __restrict__ x, int64_t ldx, int64_t glu_off, int M, const bf16* __restrict__ w,
-                       int64_t ldw, int N, int K, ParamView bias, bool has_bias, OutT* __restrict__ out, int64_t ldo) {
+                       int64_t ldw, int N, int K, uint32_t pf_bytes, ParamView bias, bool has_bias,
+                       OutT* __restrict__ out, int64_t ldo) {
+  pdl_launch_dependents();
   constexpr int NTH = WARPS * 32;
   extern __shared__ uint4 wring[];      // [S][U][2 rows][NTH]: a thread's slots are column tid
   __shared__ float red[WARPS][16][16];  // [warp][W row][token]
@@ -121,6 +138,9 @@ __global__ void __launch_bounds__(WARPS * 32)
 
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) issue(s);
+  if (tid < 16 && pf_bytes > 0 && n0 + tid < N)
+    prefetch_l2(w + int64_t(n0 + tid) * ldw + skinny_prologue_k<WARPS, U, S>(), pf_bytes);
+  pdl_wait();  // earlier kernels have completed: x may be read, out written
   const uint4 zero = make_uint4(0, 0, 0, 0);
   for (int it = 0; it < iters; ++it) {
     cp_async_wait<S - 2>();  // stage `it` has landed
@@ -222,21 +242,32 @@ __global__ void add_bias_kernel(bf16* __restrict__ out, int64_t ldo, int M, int 
   }
 }
 
+// What the skinny GEMMs of one call may prefetch into L2 before their input is ready, all rows
+// together: enough for the whole of a 2560 x 4096 weight beyond the ring's prologue, small next to
+// the 50 MB L2 so that the prefetched lines are still there when the blocks reach them.
+constexpr int64_t kL2PrefetchBudget = int64_t(16) << 20;
+
 template <int WARPS, int NT, int U, int S, bool GLU, class OutT>
 void launch_skinny_cfg(const bf16* x, int64_t ldx, int64_t glu_off, int M, const bf16* w, int64_t ldw, int N, int K,
-                       ParamView bias, bool has_bias, OutT* out, int64_t ldo, cudaStream_t stream) {
+                       ParamView bias, bool has_bias, OutT* out, int64_t ldo, const LaunchCtx& ctx) {
   constexpr int smem = skinny_smem_bytes<WARPS, U, S>();
   auto kernel = skinny_gemm_kernel<WARPS, NT, U, S, GLU, OutT>;
   // Once per instantiation (thread-safe static initialisation); allowed during graph capture.
   static const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   check_cuda(attr, "cudaFuncSetAttribute (skinny_gemm_kernel)");
-  kernel<<<dim3((N + 15) / 16), WARPS * 32, smem, stream>>>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo);
-  check_launch("skinny_gemm_kernel");
+  // L2 prefetch per row: the rest of the row after the prologue, within the budget; whole 128-byte
+  // lines; none when it would be too little to matter (many rows).
+  constexpr int kpre = skinny_prologue_k<WARPS, U, S>();
+  const int64_t rest = K > kpre ? int64_t(K - kpre) * int64_t(sizeof(bf16)) : 0;
+  int64_t pf = std::min(rest, kL2PrefetchBudget / N) & ~int64_t(127);
+  if (pf < 1024) pf = 0;
+  launch_pdl(ctx, "skinny_gemm_kernel", kernel, dim3((N + 15) / 16), WARPS * 32, smem, x, ldx, glu_off, M, w, ldw, N,
+             K, uint32_t(pf), bias, has_bias, out, ldo);
 }
 
 template <bool GLU, class OutT>
 void launch_skinny(const bf16* x, int64_t ldx, int64_t glu_off, int M, const bf16* w, int64_t ldw, int N, int K,
-                   ParamView bias, bool has_bias, OutT* out, int64_t ldo, int sm_count, cudaStream_t stream) {
+                   ParamView bias, bool has_bias, OutT* out, int64_t ldo, int sm_count, const LaunchCtx& ctx) {
   const int tiles = (N + 15) / 16;
   // Few row tiles (N = 2560: 160 tiles on 132 SMs) cannot keep enough bytes in flight with 8 warps
   // per tile: give each tile 16 warps then. Ring sizes: 64 KiB (8 warps, 3 blocks per SM) and
@@ -244,14 +275,14 @@ void launch_skinny(const bf16* x, int64_t ldx, int64_t glu_off, int M, const bf1
   const bool wide = tiles < 4 * sm_count;
   if (M <= 8) {
     if (wide)
-      launch_skinny_cfg<16, 1, 2, 3, GLU>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, stream);
+      launch_skinny_cfg<16, 1, 2, 3, GLU>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, ctx);
     else
-      launch_skinny_cfg<8, 1, 2, 4, GLU>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, stream);
+      launch_skinny_cfg<8, 1, 2, 4, GLU>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, ctx);
   } else {
     if (wide)
-      launch_skinny_cfg<16, 2, 2, 3, GLU>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, stream);
+      launch_skinny_cfg<16, 2, 2, 3, GLU>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, ctx);
     else
-      launch_skinny_cfg<8, 2, 2, 4, GLU>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, stream);
+      launch_skinny_cfg<8, 2, 2, 4, GLU>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, ctx);
   }
 }
 
@@ -298,10 +329,10 @@ void CudaBackend::linear(const Tensor& x, const LinearWeight& lw, const Tensor& 
   if (M <= 16 && vec_ok && K > 0) {
     if (out_bf16)
       launch_skinny<false>(xp, ldx, 0, int(M), wp, ldw, int(N), int(K), bias, has_bias, out.ptr<bf16>(), ldo, sm_count_,
-                           stream_);
+                           launch_ctx());
     else
       launch_skinny<false>(xp, ldx, 0, int(M), wp, ldw, int(N), int(K), bias, has_bias, out.ptr<float>(), ldo,
-                           sm_count_, stream_);
+                           sm_count_, launch_ctx());
     return;
   }
   if (M > 16 && out_bf16 && K > 0 &&
@@ -340,7 +371,7 @@ void CudaBackend::linear_swiglu(const Tensor& gate_up, const LinearWeight& lw, c
   }
   activate();
   launch_skinny<true>(xp, gate_up.row_stride, I, int(M), wp, lw.weight.row_stride, int(lw.weight.dim(0)), int(I),
-                      ParamView{}, false, out.ptr<bf16>(), out.row_stride, sm_count_, stream_);
+                      ParamView{}, false, out.ptr<bf16>(), out.row_stride, sm_count_, launch_ctx());
 }
 
 }  // namespace ocria_rt

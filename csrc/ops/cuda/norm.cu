@@ -17,10 +17,12 @@ template <class T, int V, bool ADD>
 __global__ void rms_norm_kernel(T* __restrict__ x, RowView xv, const T* __restrict__ delta, RowView dv,
                                 T* __restrict__ out, RowView ov, ParamView w, float eps) {
   __shared__ float red[32];
+  pdl_launch_dependents();
   const int64_t r = blockIdx.x;
   const int D = int(xv.cols);
   T* xr = row_ptr(x, r, xv.inner, xv.outer_stride, xv.cols);
   T* orow = row_ptr(out, r, ov.inner, ov.outer_stride, ov.cols);
+  pdl_wait();  // x and delta come from earlier kernels
   float ss = 0.0f;
   for (int c = threadIdx.x * V; c < D; c += blockDim.x * V) {
     Pack<T, V> a = load_pack<T, V>(xr + c);
@@ -55,7 +57,7 @@ int block_for(int64_t cols, int V) {
 
 template <class T, bool ADD>
 void launch_rms_norm(const Tensor& x, const Tensor* delta, const Tensor& out, ParamView w, int64_t D, float eps,
-                     cudaStream_t stream, const char* op) {
+                     const LaunchCtx& ctx, const char* op) {
   RowView xv = row_view(x, D, op, "x"), ov = row_view(out, D, op, "out"), dv{};
   OCRIA_RT_REQUIRE(xv.rows == ov.rows, op, "x " + x.shape_str() + " and out " + out.shape_str() + " differ in rows");
   if (ADD) {
@@ -69,12 +71,11 @@ void launch_rms_norm(const Tensor& x, const Tensor* delta, const Tensor& out, Pa
   if (ADD) vec = vec && vec_ok(delta->data, dv.outer_stride, D, V, sizeof(T));
   const T* dp = ADD ? delta->ptr<const T>() : nullptr;
   if (vec)
-    rms_norm_kernel<T, V, ADD><<<unsigned(xv.rows), block_for(D, V), 0, stream>>>(x.ptr<T>(), xv, dp, dv, out.ptr<T>(),
-                                                                                 ov, w, eps);
+    launch_pdl(ctx, "rms_norm_kernel", rms_norm_kernel<T, V, ADD>, unsigned(xv.rows), block_for(D, V), 0, x.ptr<T>(),
+               xv, dp, dv, out.ptr<T>(), ov, w, eps);
   else
-    rms_norm_kernel<T, 1, ADD><<<unsigned(xv.rows), block_for(D, 1), 0, stream>>>(x.ptr<T>(), xv, dp, dv, out.ptr<T>(),
-                                                                                 ov, w, eps);
-  check_launch("rms_norm_kernel");
+    launch_pdl(ctx, "rms_norm_kernel", rms_norm_kernel<T, 1, ADD>, unsigned(xv.rows), block_for(D, 1), 0, x.ptr<T>(),
+               xv, dp, dv, out.ptr<T>(), ov, w, eps);
 }
 
 }  // namespace
@@ -89,9 +90,9 @@ void CudaBackend::rms_norm(const Tensor& x, const Tensor& weight, const Tensor& 
   const int64_t D = weight.numel();
   activate();
   if (x.dtype == DType::BF16)
-    launch_rms_norm<bf16, false>(x, nullptr, out, w, D, eps, stream_, op);
+    launch_rms_norm<bf16, false>(x, nullptr, out, w, D, eps, launch_ctx(), op);
   else
-    launch_rms_norm<float, false>(x, nullptr, out, w, D, eps, stream_, op);
+    launch_rms_norm<float, false>(x, nullptr, out, w, D, eps, launch_ctx(), op);
 }
 
 void CudaBackend::add_rms_norm(const Tensor& residual, const Tensor& delta, const Tensor& weight, const Tensor& out,
@@ -105,9 +106,9 @@ void CudaBackend::add_rms_norm(const Tensor& residual, const Tensor& delta, cons
   const int64_t D = weight.numel();
   activate();
   if (residual.dtype == DType::BF16)
-    launch_rms_norm<bf16, true>(residual, &delta, out, w, D, eps, stream_, op);
+    launch_rms_norm<bf16, true>(residual, &delta, out, w, D, eps, launch_ctx(), op);
   else
-    launch_rms_norm<float, true>(residual, &delta, out, w, D, eps, stream_, op);
+    launch_rms_norm<float, true>(residual, &delta, out, w, D, eps, launch_ctx(), op);
 }
 
 namespace cuda {

@@ -309,6 +309,8 @@ __device__ int first_position(const u64* cum, int n, int mode, u64 thr, u64 base
 template <class T>
 __global__ void __launch_bounds__(kPassThreads)
     max_kernel(const T* __restrict__ logits, int64_t ldl, int V, int chunk, SampleWs ws, int NB, bool zero_hist) {
+  pdl_launch_dependents();
+  pdl_wait();  // the logits come from the LM head; the workspace was last used by earlier kernels
   const int r = blockIdx.y, b = blockIdx.x;
   const T* x = logits + int64_t(r) * ldl;
   const int lo = b * chunk, hi = min(V, lo + chunk);
@@ -331,6 +333,8 @@ __global__ void __launch_bounds__(kPassThreads)
 }
 
 __global__ void greedy_kernel(SampleWs ws, int NB, int32_t* __restrict__ tokens, int32_t* __restrict__ step, int R) {
+  pdl_launch_dependents();
+  pdl_wait();
   const int r = blockIdx.x;
   float v = -INFINITY;
   int idx = INT_MAX;
@@ -353,6 +357,8 @@ template <class T>
 __global__ void __launch_bounds__(kPassThreads)
     exp_kernel(const T* __restrict__ logits, int64_t ldl, int V, int chunk, SampleWs ws, int NB, float temperature,
                uint64_t seed, const int32_t* __restrict__ step) {
+  pdl_launch_dependents();
+  pdl_wait();
   __shared__ float s_max;
   const int r = blockIdx.y, b = blockIdx.x;
   if (threadIdx.x == 0) s_max = row_max(ws, r, NB);
@@ -376,6 +382,8 @@ __global__ void __launch_bounds__(kPassThreads)
 
 __global__ void __launch_bounds__(kPassThreads)
     hist_kernel(int V, int chunk, SampleWs ws, int NB, KeyFormat f) {
+  pdl_launch_dependents();
+  pdl_wait();
   extern __shared__ __align__(16) unsigned char smem[];
   u64* hs = reinterpret_cast<u64*>(smem);
   uint32_t* hc = reinterpret_cast<uint32_t*>(hs + kBins);
@@ -441,6 +449,8 @@ __device__ int cut_bin(const uint32_t* hc, const u64* hs, int V, int top_k, u64 
 
 __global__ void __launch_bounds__(kPassThreads)
     compact_kernel(int V, int chunk, SampleWs ws, KeyFormat f, int top_k, u64 thr_p, bool use_p) {
+  pdl_launch_dependents();
+  pdl_wait();
   extern __shared__ __align__(16) unsigned char smem[];
   u64* hs = reinterpret_cast<u64*>(smem);
   uint32_t* hc = reinterpret_cast<uint32_t*>(hs + kBins);
@@ -536,6 +546,8 @@ __device__ __forceinline__ u64 draw_target(u64 mass, float u) {
 __global__ void __launch_bounds__(kSelectThreads)
     select_kernel(int V, SampleWs ws, KeyFormat f, int top_k, u64 thr_p, bool use_p, int32_t* __restrict__ tokens,
                   int32_t* __restrict__ step, int R) {
+  pdl_launch_dependents();
+  pdl_wait();
   extern __shared__ __align__(16) unsigned char smem[];
   u64* keys = reinterpret_cast<u64*>(smem);  // [kCap]
   u64* cum = keys + kCap;                     // [kCap]
@@ -604,22 +616,21 @@ __global__ void __launch_bounds__(kSelectThreads)
 
 template <class T>
 void launch_sample(const T* logits, int64_t ldl, int R, int V, const SamplerConfig& cfg, int32_t* step,
-                   int32_t* tokens, void* workspace, int NB, cudaStream_t s) {
+                   int32_t* tokens, void* workspace, int NB, const LaunchCtx& ctx) {
   const int chunk = (V + NB - 1) / NB;
   SampleWs ws = carve(workspace, R, V, NB);
   const bool greedy = !(cfg.temperature > 0.0f);
-  max_kernel<T><<<dim3(NB, R), kPassThreads, 0, s>>>(logits, ldl, V, chunk, ws, NB, !greedy);
-  check_launch("sample max_kernel");
+  launch_pdl(ctx, "sample max_kernel", max_kernel<T>, dim3(NB, R), kPassThreads, 0, logits, ldl, V, chunk, ws, NB,
+             !greedy);
   if (greedy) {
-    greedy_kernel<<<R, 32, 0, s>>>(ws, NB, tokens, step, R);
-    check_launch("sample greedy_kernel");
+    launch_pdl(ctx, "sample greedy_kernel", greedy_kernel, R, 32, 0, ws, NB, tokens, step, R);
     return;
   }
   const KeyFormat f = key_format(V);
   const bool use_p = cfg.top_p < 1.0f;
   const u64 thr_p = use_p ? u64(std::ceil(double(cfg.top_p) * kFix)) : 0;
-  exp_kernel<T><<<dim3(NB, R), kPassThreads, 0, s>>>(logits, ldl, V, chunk, ws, NB, cfg.temperature, cfg.seed, step);
-  check_launch("sample exp_kernel");
+  launch_pdl(ctx, "sample exp_kernel", exp_kernel<T>, dim3(NB, R), kPassThreads, 0, logits, ldl, V, chunk, ws, NB,
+             cfg.temperature, cfg.seed, step);
 
   constexpr int hist_smem = kBins * (8 + 4);
   static const cudaError_t a1 = cudaFuncSetAttribute(hist_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, hist_smem);
@@ -632,12 +643,11 @@ void launch_sample(const T* logits, int64_t ldl, int R, int V, const SamplerConf
   check_cuda(a2, "cudaFuncSetAttribute (sample compact_kernel)");
   check_cuda(a3, "cudaFuncSetAttribute (sample select_kernel)");
 
-  hist_kernel<<<dim3(NB, R), kPassThreads, hist_smem, s>>>(V, chunk, ws, NB, f);
-  check_launch("sample hist_kernel");
-  compact_kernel<<<dim3(NB, R), kPassThreads, hist_smem, s>>>(V, chunk, ws, f, cfg.top_k, thr_p, use_p);
-  check_launch("sample compact_kernel");
-  select_kernel<<<R, kSelectThreads, select_smem, s>>>(V, ws, f, cfg.top_k, thr_p, use_p, tokens, step, R);
-  check_launch("sample select_kernel");
+  launch_pdl(ctx, "sample hist_kernel", hist_kernel, dim3(NB, R), kPassThreads, hist_smem, V, chunk, ws, NB, f);
+  launch_pdl(ctx, "sample compact_kernel", compact_kernel, dim3(NB, R), kPassThreads, hist_smem, V, chunk, ws, f,
+             cfg.top_k, thr_p, use_p);
+  launch_pdl(ctx, "sample select_kernel", select_kernel, R, kSelectThreads, select_smem, V, ws, f, cfg.top_k, thr_p,
+             use_p, tokens, step, R);
 }
 
 }  // namespace
@@ -668,10 +678,10 @@ void CudaBackend::sample(const Tensor& logits, const SamplerConfig& config, cons
     OCRIA_RT_REQUIRE(rg <= 65535, op, "too many rows");
     if (logits.dtype == DType::BF16)
       launch_sample<bf16>(logits.ptr<const bf16>() + r0 * ldl, ldl, rg, int(V), config, step.ptr<int32_t>(),
-                          tokens.ptr<int32_t>() + r0, workspace_, NB, stream_);
+                          tokens.ptr<int32_t>() + r0, workspace_, NB, launch_ctx());
     else
       launch_sample<float>(logits.ptr<const float>() + r0 * ldl, ldl, rg, int(V), config, step.ptr<int32_t>(),
-                           tokens.ptr<int32_t>() + r0, workspace_, NB, stream_);
+                           tokens.ptr<int32_t>() + r0, workspace_, NB, launch_ctx());
   }
 }
 
