@@ -8,6 +8,8 @@
 - Gated DeltaNet recurrence per layer at T = 1 and 16 (and the chunked entry point at T = 1024),
   against the time to read and write the fp32 state once;
 - attention decode at 1k / 8k / 32k context (and verify T = 16 at 8k), against reading the KV cache once;
+- attention prefill (causal, T = 1k / 4k / 8k tokens from an empty cache): TFLOP/s against torch's
+  scaled_dot_product_attention (flash backend, K / V repeated over the GQA group) on the same shapes;
 - sampling over the 248320-entry vocabulary.
 
 Times come from ocria_rt._core.KernelBench: `iters` back-to-back calls captured in one CUDA graph,
@@ -45,6 +47,7 @@ LINEAR_SHAPES = [  # name, N (out), K (in)
 DECODE_M = [1, 2, 4, 8, 16]
 PREFILL_M = 8192
 ATTN_CONTEXTS = [1024, 8192, 32768]
+ATTN_PREFILL_T = [1024, 4096, 8192]
 
 
 def med(xs: list[float]) -> float:
@@ -82,6 +85,32 @@ def torch_matmul_tflops(M: int, N: int, K: int, reps: int) -> float | None:
     return 2 * M * N * K / med(times) / 1e12
 
 
+def causal_attention_flops(T: int) -> float:
+    """Q K^T and P V over the causal triangle: 2 * 2 * T (T + 1) / 2 * head_dim per q head."""
+    return 2 * 2 * T * (T + 1) / 2 * HD * HQ
+
+
+def torch_sdpa_tflops(T: int, reps: int) -> float | None:
+    try:
+        import torch
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        return None
+    q = torch.randn(1, HQ, T, HD, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, HKV, T, HD, device="cuda", dtype=torch.bfloat16).repeat_interleave(HQ // HKV, dim=1)
+    v = torch.randn(1, HKV, T, HD, device="cuda", dtype=torch.bfloat16).repeat_interleave(HQ // HKV, dim=1)
+    try:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            times = cuda_times(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), reps)
+    except RuntimeError:  # no flash backend for this device / build
+        return None
+    finally:
+        del q, k, v
+        torch.cuda.empty_cache()
+    return causal_attention_flops(T) / med(times) / 1e12
+
+
 def device_name() -> str:
     try:
         import torch
@@ -95,7 +124,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path, help="JSON output path")
     ap.add_argument("--reps", type=int, default=10, help="graph replays per figure (median)")
-    ap.add_argument("--skip-prefill", action="store_true", help="skip the M = 8192 GEMMs (and torch)")
+    ap.add_argument("--skip-prefill", action="store_true",
+                    help="skip the M = 8192 GEMMs and the attention prefill (and torch)")
     args = ap.parse_args()
 
     from ocria_rt import _core
@@ -104,7 +134,8 @@ def main() -> None:
     bw, bw_source = copy_bandwidth(kb, args.reps)
     print(f"device: {device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s ({bw_source})", flush=True)
     results: dict = {"device": device_name(), "copy_bandwidth_Bps": bw, "copy_bandwidth_source": bw_source,
-                     "linear_decode": [], "linear_prefill": [], "gdn": [], "attention": [], "sample": []}
+                     "linear_decode": [], "linear_prefill": [], "gdn": [], "attention": [], "attention_prefill": [],
+                     "sample": []}
     summary: list[dict] = []
 
     # ---- linear, M <= 16: weight streaming ----
@@ -177,6 +208,27 @@ def main() -> None:
                         "ratio": f"{got / bw:.0%}"})
     print("\n## Attention (one layer)\n")
     print(markdown_table(rows, ["T", "context", "us", "KV TB/s", "of copy BW"]))
+
+    # ---- attention prefill: T tokens from an empty cache (causal), flash kernel vs torch SDPA ----
+    if not args.skip_prefill:
+        rows = []
+        for T in ATTN_PREFILL_T:
+            flops = causal_attention_flops(T)
+            us = med(kb.attention(T, T, HQ, HKV, HD, iters=iters_for(flops / 300e12, lo=2, hi=20),
+                                  reps=max(3, args.reps // 2)))
+            ours = flops / (us * 1e-6) / 1e12
+            peer = torch_sdpa_tflops(T, reps=max(3, args.reps // 2))
+            r = {"T": T, "us": round(us, 1), "TFLOP/s": round(ours, 1),
+                 "torch TFLOP/s": round(peer, 1) if peer else "n/a", "vs torch": f"{ours / peer:.0%}" if peer else "n/a"}
+            rows.append(r)
+            results["attention_prefill"].append({**r, "flops": flops, "tflops": ours, "torch_tflops": peer})
+            summary.append({"kernel": "attention prefill", "case": f"T={T} Hq={HQ} Hkv={HKV} hd={HD} causal",
+                            "time": f"{us:.0f} us", "achieved": f"{ours:.0f} TFLOP/s",
+                            "reference": f"torch sdpa {peer:.0f} TFLOP/s" if peer else "n/a",
+                            "ratio": f"{ours / peer:.0%}" if peer else "n/a"})
+            print(f"attention prefill T={T}: {ours:.0f} TFLOP/s (torch {peer and round(peer)})", flush=True)
+        print("\n## Attention prefill (one layer, causal)\n")
+        print(markdown_table(rows, ["T", "us", "TFLOP/s", "torch TFLOP/s", "vs torch"]))
 
     # ---- sampling ----
     rows = []

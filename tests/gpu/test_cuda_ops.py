@@ -179,6 +179,51 @@ def test_attention_positions_not_contiguous(cpu, gpu):
     assert relerr(gpu.attention(q, kc, vc, qkv, pos, hq, hkv, hd), cpu.attention(q, kc, vc, qkv, pos, hq, hkv, hd)) <= OUT_TOL
 
 
+# ---- attention prefill (T > 16): the tensor-core flash kernel ----
+
+FLASH_CASES = [
+    # hq, hkv, hd, T, start (cache rows of earlier chunks before this one)
+    (16, 4, 256, 17, 0),  # one query tile, mostly padding rows
+    (16, 4, 256, 64, 0),
+    (16, 4, 256, 100, 37),
+    (16, 4, 256, 257, 1000),  # three query tiles, a long prefix
+    (8, 2, 256, 130, 64),
+    (8, 8, 128, 17, 5),  # no GQA
+    (8, 4, 128, 257, 0),  # group of 2
+    (4, 1, 128, 100, 300),  # group of 4
+    (6, 2, 128, 64, 1),  # group of 3
+    (8, 2, 64, 64, 130),
+    (4, 4, 64, 257, 64),
+    (8, 2, 64, 100, 0),
+]
+
+
+@pytest.mark.parametrize("hq,hkv,hd,T,start", FLASH_CASES)
+def test_attention_prefill(cpu, gpu, hq, hkv, hd, T, start):
+    """A prefill chunk at cache rows start .. start + T - 1 over the earlier rows and itself."""
+    rng = np.random.default_rng(hq * hd + T * 7 + start)
+    ctx = start + T + 5  # rows past the chunk hold data that must not be attended
+    q = randn(rng, T, hq, hd, scale=2)  # peaked softmax rows too
+    kc, vc = randn(rng, ctx, hkv, hd), randn(rng, ctx, hkv, hd)
+    qkv = randn(rng, T, (2 * hq + 2 * hkv) * hd)
+    pos = np.arange(start, start + T, dtype=np.int32)
+    assert relerr(gpu.attention(q, kc, vc, qkv, pos, hq, hkv, hd), cpu.attention(q, kc, vc, qkv, pos, hq, hkv, hd)) <= OUT_TOL
+
+
+@pytest.mark.parametrize("hd", [64, 256])
+def test_attention_prefill_positions_not_contiguous(cpu, gpu, hd):
+    """The flash kernel takes any positions: each token still attends over exactly 0..positions[t]."""
+    rng = np.random.default_rng(hd + 5)
+    hq, hkv, T, ctx = 8, 2, 150, 2000
+    q = randn(rng, T, hq, hd, scale=2)
+    kc, vc = randn(rng, ctx, hkv, hd), randn(rng, ctx, hkv, hd)
+    qkv = randn(rng, T, (2 * hq + 2 * hkv) * hd)
+    pos = rng.integers(0, ctx, T).astype(np.int32)
+    pos[:3] = [0, ctx - 1, 0]  # a single key, the whole cache, a repeat
+    pos[3:40] = np.arange(500, 463, -1)  # descending
+    assert relerr(gpu.attention(q, kc, vc, qkv, pos, hq, hkv, hd), cpu.attention(q, kc, vc, qkv, pos, hq, hkv, hd)) <= OUT_TOL
+
+
 # ---- Gated DeltaNet ----
 
 
@@ -305,8 +350,11 @@ def test_layer_norm_and_gelu(cpu, gpu, R, D):
 
 
 @pytest.mark.parametrize("heads,hd,lengths", [(2, 16, [8, 12]), (3, 32, [40]), (16, 64, [256, 100, 4]),
-                                              (4, 128, [33])])
+                                              (4, 128, [33]), (16, 64, [520, 37, 1, 300]), (4, 128, [129, 200]),
+                                              (2, 64, [17])])
 def test_vision_attention(cpu, gpu, heads, hd, lengths):
+    """head_dim 64 / 128 take the flash kernel (images starting and ending inside query and key tiles),
+    16 / 32 the CUDA-core one."""
     rng = np.random.default_rng(heads * hd + len(lengths))
     N = sum(lengths)
     qkv = randn(rng, N, 3 * heads * hd)

@@ -1,20 +1,27 @@
 // Gated attention: attention_prepare (q/k RMSNorm + partial RoPE, KV-cache write) and attention
-// (causal softmax attention over the cache, GQA, times sigmoid(gate)).
+// (causal softmax attention over the cache, GQA, times sigmoid(gate)); vision_attention.
 //
-// attention: flash-decoding. Block (split, kv head, token) covers cache rows
-// [split * chunk, (split + 1) * chunk) of 0..positions[t], chunk = max(ceil(len / splits), 64), for
-// all q heads of its kv head (GQA group) at once, so K / V rows are read once per group. Each of
-// the 4 warps runs an online softmax over its own rows (lane = 1/32 of head_dim, 16-byte loads of K
-// and V rows, scores reduced with shuffles); the warps merge in shared memory. With one split the
-// block writes the output; otherwise it writes (max, sum, unnormalised acc) to the workspace and a
-// combine kernel merges the splits. The number of splits is a launch constant chosen from the
-// cache size and the number of (token, kv head) pairs; the actual lengths are read on the device,
-// so a captured graph stays valid as the context grows (splits past the end exit at once).
-// For prefill (T > 16) every token gets its own blocks without splits: correct and simple, but it
-// re-reads K / V per query token on CUDA cores; a tensor-core (FA2-style) prefill kernel is future work.
+// attention, prefill (T > 16 tokens, head_dim 64 / 128 / 256, 16-byte aligned rows): flash_attention,
+// a tensor-core kernel (see its section below), also used by vision_attention.
+//
+// attention, decode (T <= 16) and the shapes flash_attention does not take: flash-decoding. Block
+// (split, kv head, token) covers cache rows [split * chunk, (split + 1) * chunk) of 0..positions[t],
+// chunk = max(ceil(len / splits), 64), for all q heads of its kv head (GQA group) at once, so K / V
+// rows are read once per group. Each of the 4 warps runs an online softmax over its own rows
+// (lane = 1/32 of head_dim, 16-byte loads of K and V rows, scores reduced with shuffles); the warps
+// merge in shared memory. With one split the block writes the output; otherwise it writes (max, sum,
+// unnormalised acc) to the workspace and a combine kernel merges the splits. The number of splits is
+// a launch constant chosen from the cache size and the number of (token, kv head) pairs; the actual
+// lengths are read on the device, so a captured graph stays valid as the context grows (splits past
+// the end exit at once).
+// Above 16 tokens (head_dim 32, misaligned views) every token gets its own blocks without splits.
+#include <climits>
 #include <cmath>
+#include <initializer_list>
+#include <utility>
 
 #include "ops/cuda/backend.cuh"
+#include "ops/cuda/mma.cuh"
 
 namespace ocria_rt {
 namespace cuda {
@@ -264,6 +271,317 @@ void launch_attention_e(int GM, dim3 grid, const bf16* q, int64_t ldq, const bf1
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// flash_attention: tensor-core attention (FlashAttention-2 style) for prefill (causal over the
+// cache) and for the vision encoder (bidirectional inside each image).
+//
+// Every query row t attends to one contiguous key range [lo_t, hi_t]: 0 .. positions[t] (causal), or
+// the rows of t's image. Block = kFlashRows (128) query rows of one q head; each warp owns 16 * MT
+// consecutive rows (MT = 2 for head_dim <= 128: every K / V fragment read from shared memory feeds two
+// m16 tiles; MT = 1 for 256, whose fp32 accumulator is already 128 registers per thread). The block
+// walks the union of its rows' key ranges in tiles of kFlashKeys (64) keys; K and V tiles are
+// double-buffered in shared memory (cp.async: tile j + 1 loads while tile j is used); Q stays in shared
+// memory and its fragments are re-read per tile (for hd 256 they would not fit in registers). Per tile,
+// each warp computes
+//   S = Q K^T (mma m16n8k16, fp32), masks the keys outside each row's range (only on tiles that cut a
+//   range of the warp; tiles outside all of the warp's ranges are skipped),
+//   online softmax in base 2: x = scale_log2 * s, m' = max(m, max_j x_j), P = 2^(x - m'),
+//   l = l 2^(m - m') + sum_j P_j, O = O 2^(m - m') + P V,
+// with P rounded to BF16 in registers and used directly as the A operand of P V: the accumulator
+// layout of S over key columns 16k .. 16k+15 is the A-fragment layout of k-step k (mma.cuh).
+// Shared-memory rows are hd BF16 = hd / 8 chunks of 16 bytes; chunk c of row r is stored at chunk
+// c ^ (r % 8), so the 8 row addresses of every ldmatrix (8 consecutive rows) hit distinct banks.
+// Positions are read on the device and may be arbitrary: a block's key range is the union of its rows'
+// ranges (consecutive prefill positions give the causal triangle). Keys inside that union but outside
+// a row's own range are weighted by exactly 0, so those cache rows must hold finite values: true for a
+// sequence, whose rows 0 .. max position have all been written.
+// ---------------------------------------------------------------------------------------------
+constexpr int kFlashRows = 128;       // query rows per block
+constexpr int kFlashKeys = 64;        // keys per K / V tile
+constexpr int kFlashMinTokens = 16;   // attention takes the flash kernel above this many tokens
+
+template <int HD> struct FlashConfig {
+  static constexpr int MT = HD <= 128 ? 2 : 1;  // m16 tiles per warp
+  static constexpr int WARPS = kFlashRows / (16 * MT);
+  static constexpr int THREADS = 32 * WARPS;
+  static constexpr int MIN_BLOCKS = HD <= 128 ? 2 : 1;  // per SM: 8 or 16 warps (registers)
+  static constexpr int SMEM = (kFlashRows + 4 * kFlashKeys) * HD * int(sizeof(bf16));  // Q, 2 K, 2 V tiles
+};
+
+struct FlashArgs {
+  const bf16* q = nullptr;  // query t, head h: q + t * ldq + h * hd
+  int64_t ldq = 0;
+  const bf16* k = nullptr;  // key j, kv head g: k + j * ldkv + g * hd (v alike)
+  const bf16* v = nullptr;
+  int64_t ldkv = 0;
+  const bf16* gate = nullptr;  // optional: out *= sigmoid(gate[t * ldg + h * gate_hs + d])
+  int64_t ldg = 0;
+  int64_t gate_hs = 0;
+  bf16* out = nullptr;  // out + t * ldo + h * hd
+  int64_t ldo = 0;
+  const int32_t* positions = nullptr;  // causal: query t sees keys 0 .. positions[t]
+  const int32_t* cu = nullptr;         // without positions: the keys of t's segment, cu[s] <= t < cu[s + 1]
+  int segments = 0;
+  int T = 0;  // query rows
+  int G = 1;  // q head h reads kv head h / G
+  float scale_log2 = 0;
+};
+
+// Key range [lo, hi] of query row t; empty (lo > hi) past the last row.
+__device__ __forceinline__ int2 flash_key_range(const FlashArgs& a, int t) {
+  if (t >= a.T) return make_int2(INT_MAX, -1);
+  if (a.positions) return make_int2(0, a.positions[t]);
+  int lo = 0, hi = a.segments;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    (a.cu[mid] <= t ? lo : hi) = mid;
+  }
+  return make_int2(a.cu[lo], a.cu[lo + 1] - 1);
+}
+
+// Element offset of 16-byte chunk c of row r in a swizzled [rows][HD] BF16 tile.
+template <int HD> __device__ __forceinline__ int flash_swz(int r, int c) { return r * HD + ((c ^ (r & 7)) << 3); }
+
+// A [ROWS][HD] tile from the global rows src + r * ld by cp.async; rows r >= valid (>= 1) are
+// zero-filled. Thread i copies chunk i % C of rows i / C + STEP * n: STEP is a multiple of 8, so the
+// swizzle of its chunks does not depend on n.
+template <int HD, int THREADS, int ROWS>
+__device__ __forceinline__ void flash_load(bf16* dst, const bf16* src, int64_t ld, int valid) {
+  constexpr int C = HD / 8, STEP = THREADS / C;
+  static_assert(STEP % 8 == 0 && ROWS % STEP == 0, "flash_load: tile shape");
+  const int r = threadIdx.x / C, c = threadIdx.x % C;
+  bf16* d = dst + flash_swz<HD>(r, c);
+  const bf16* s = src + int64_t(r) * ld + c * 8;
+#pragma unroll
+  for (int n = 0; n < ROWS / STEP; ++n) {
+    const bool ok = r + n * STEP < valid;
+    cp_async16(d + n * STEP * HD, ok ? s + n * STEP * ld : src, ok ? 16 : 0);
+  }
+}
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+template <int HD>
+__global__ void __launch_bounds__(FlashConfig<HD>::THREADS, FlashConfig<HD>::MIN_BLOCKS)
+    flash_attention_kernel(const FlashArgs a) {
+  using Cfg = FlashConfig<HD>;
+  constexpr int MT = Cfg::MT, THREADS = Cfg::THREADS;
+  constexpr int NT = HD / 8;             // 8-column tiles of an output row
+  constexpr int KT = kFlashKeys / 16;    // k16 steps of P V
+  constexpr int TILE = kFlashKeys * HD;  // elements of one K or V tile
+  extern __shared__ __align__(128) unsigned char flash_smem[];
+  __shared__ int2 range_s[kFlashRows];              // key range of each query row of the block
+  bf16* q_s = reinterpret_cast<bf16*>(flash_smem);  // [kFlashRows][HD]
+  bf16* k_s = q_s + kFlashRows * HD;                // [2][kFlashKeys][HD]
+  bf16* v_s = k_s + 2 * TILE;                       // [2][kFlashKeys][HD]
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int h = blockIdx.x;
+  const int q0 = int(gridDim.y - 1 - blockIdx.y) * kFlashRows;  // the latest (longest) query tiles start first
+
+  flash_load<HD, THREADS, kFlashRows>(q_s, a.q + int64_t(q0) * a.ldq + int64_t(h) * HD, a.ldq, a.T - q0);
+  for (int r = threadIdx.x; r < kFlashRows; r += THREADS) range_s[r] = flash_key_range(a, q0 + r);
+  __syncthreads();
+  // The block's keys [kv_begin, kv_end]; the warp's rows (16 MT from wrow0) all see [lo_max, hi_min]
+  // and together see [lo_min, hi_max].
+  int kv_begin = INT_MAX, kv_end = -1;
+#pragma unroll
+  for (int r = lane; r < kFlashRows; r += 32) {
+    kv_begin = min(kv_begin, range_s[r].x);
+    kv_end = max(kv_end, range_s[r].y);
+  }
+  kv_begin = __reduce_min_sync(~0u, kv_begin);
+  kv_end = __reduce_max_sync(~0u, kv_end);
+  const int tiles = kv_end >= kv_begin ? (kv_end - kv_begin) / kFlashKeys + 1 : 0;
+  const int wrow0 = warp * 16 * MT;
+  const int2 own = range_s[wrow0 + lane % (16 * MT)];
+  const int lo_min = __reduce_min_sync(~0u, own.x), lo_max = __reduce_max_sync(~0u, own.x);
+  const int hi_min = __reduce_min_sync(~0u, own.y), hi_max = __reduce_max_sync(~0u, own.y);
+
+  const bf16* k_g = a.k + int64_t(h / a.G) * HD;  // this q head's kv head
+  const bf16* v_g = a.v + int64_t(h / a.G) * HD;
+  auto load_kv = [&](int j) {  // tile j into buffer j % 2
+    const int kv0 = kv_begin + j * kFlashKeys;
+    flash_load<HD, THREADS, kFlashKeys>(k_s + (j & 1) * TILE, k_g + int64_t(kv0) * a.ldkv, a.ldkv, kv_end - kv0 + 1);
+    flash_load<HD, THREADS, kFlashKeys>(v_s + (j & 1) * TILE, v_g + int64_t(kv0) * a.ldkv, a.ldkv, kv_end - kv0 + 1);
+  };
+  if (tiles > 0) load_kv(0);
+  cp_async_commit();  // Q and tile 0
+
+  // ldmatrix row addresses of this lane (fragment layouts in mma.cuh):
+  // Q, A operand of m-tile mt at k-step kk: row 16 mt + lane % 16 of the warp's, chunk 2 kk + lane / 16;
+  // K, B operands of keys 16 np .. 16 np + 15: key lane % 8 + 8 (lane / 16), chunk 2 kk + (lane / 8) % 2;
+  // V (.trans), B operands of head dims 16 dp .. at k-step kt: key 16 kt + lane % 8 + 8 ((lane / 8) % 2),
+  //   chunk 2 dp + lane / 16.
+  const uint32_t q_addr = uint32_t(__cvta_generic_to_shared(q_s));
+  const uint32_t k_addr = uint32_t(__cvta_generic_to_shared(k_s));
+  const uint32_t v_addr = uint32_t(__cvta_generic_to_shared(v_s));
+  const int q_row = wrow0 + (lane & 15), q_chunk = lane >> 4;
+  const int k_row = (lane & 7) + ((lane >> 4) << 3), k_chunk = (lane >> 3) & 1;
+  const int v_row = (lane & 7) + (((lane >> 3) & 1) << 3), v_chunk = lane >> 4;
+
+  float o[MT][NT][4];
+  float m[MT][2], l[MT][2];  // running max (of x) and this thread's partial sum, per row
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.0f;
+    m[mt][0] = m[mt][1] = -INFINITY;
+    l[mt][0] = l[mt][1] = 0.0f;
+  }
+
+  for (int j = 0; j < tiles; ++j) {
+    cp_async_wait<0>();
+    __syncthreads();  // tile j (and Q) visible to every warp; all are done with tile j - 1's buffers
+    if (j + 1 < tiles) load_kv(j + 1);
+    cp_async_commit();
+    const int kv0 = kv_begin + j * kFlashKeys;
+    if (kv0 > hi_max || kv0 + kFlashKeys - 1 < lo_min) continue;  // no key of this tile for the warp's rows
+    const uint32_t kb = k_addr + (j & 1) * TILE * 2, vb = v_addr + (j & 1) * TILE * 2;
+
+    // S = Q K^T: s[mt][n] covers keys kv0 + 8n .. 8n + 7.
+    float s[MT][2 * KT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int n = 0; n < 2 * KT; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      uint32_t qf[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+        ldmatrix_x4(qf[mt], q_addr + 2 * flash_swz<HD>(q_row + 16 * mt, 2 * kk + q_chunk));
+#pragma unroll
+      for (int np = 0; np < KT; ++np) {
+        uint32_t kf[4];
+        ldmatrix_x4(kf, kb + 2 * flash_swz<HD>(16 * np + k_row, 2 * kk + k_chunk));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma_16816(s[mt][2 * np], qf[mt][0], qf[mt][1], qf[mt][2], qf[mt][3], kf[0], kf[1]);
+          mma_16816(s[mt][2 * np + 1], qf[mt][0], qf[mt][1], qf[mt][2], qf[mt][3], kf[2], kf[3]);
+        }
+      }
+    }
+    if (!(kv0 >= lo_max && kv0 + kFlashKeys - 1 <= hi_min)) {  // the tile cuts some row's range
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int n = 0; n < 2 * KT; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = kv0 + 8 * n + 2 * (lane & 3) + (e & 1);
+            const int2 r = range_s[wrow0 + 16 * mt + 8 * (e >> 1) + (lane >> 2)];
+            if (key < r.x || key > r.y) s[mt][n][e] = -INFINITY;
+          }
+    }
+
+    // Online softmax; the 4 lanes of a quad share a row. P goes to pf as the A fragments of P V.
+    uint32_t pf[MT][KT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      float base[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int n = 0; n < 2 * KT; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * i], s[mt][n][2 * i + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(~0u, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(~0u, mx, 2));
+        const float m_new = fmaxf(m[mt][i], mx * a.scale_log2);
+        base[i] = m_new == -INFINITY ? 0.0f : m_new;  // no key for this row yet: 2^(x - base) = 0, not NaN
+        const float corr = exp2f(m[mt][i] - base[i]);
+        m[mt][i] = m_new;
+        l[mt][i] *= corr;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          o[mt][n][2 * i] *= corr;
+          o[mt][n][2 * i + 1] *= corr;
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < 2 * KT; ++n) {
+        float p[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) p[e] = exp2f(fmaf(s[mt][n][e], a.scale_log2, -base[e >> 1]));
+        l[mt][0] += p[0] + p[1];
+        l[mt][1] += p[2] + p[3];
+        pf[mt][n / 2][2 * (n % 2)] = pack_bf16x2(p[0], p[1]);
+        pf[mt][n / 2][2 * (n % 2) + 1] = pack_bf16x2(p[2], p[3]);
+      }
+    }
+
+    // O += P V: o[mt][n] covers head dims 8n .. 8n + 7.
+#pragma unroll
+    for (int kt = 0; kt < KT; ++kt)
+#pragma unroll
+      for (int dp = 0; dp < HD / 16; ++dp) {
+        uint32_t vf[4];
+        ldmatrix_x4_trans(vf, vb + 2 * flash_swz<HD>(16 * kt + v_row, 2 * dp + v_chunk));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma_16816(o[mt][2 * dp], pf[mt][kt][0], pf[mt][kt][1], pf[mt][kt][2], pf[mt][kt][3], vf[0], vf[1]);
+          mma_16816(o[mt][2 * dp + 1], pf[mt][kt][0], pf[mt][kt][1], pf[mt][kt][2], pf[mt][kt][3], vf[2], vf[3]);
+        }
+      }
+  }
+
+  // out = O / l (* sigmoid(gate)); this thread holds head dims 8n + 2 (lane % 4), +1 of its rows.
+  const int d0 = 2 * (lane & 3);
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float sum = l[mt][i];
+      sum += __shfl_xor_sync(~0u, sum, 1);
+      sum += __shfl_xor_sync(~0u, sum, 2);
+      const int t = q0 + wrow0 + 16 * mt + 8 * i + (lane >> 2);
+      if (t >= a.T) continue;
+      const float inv = 1.0f / sum;
+      bf16* dst = a.out + int64_t(t) * a.ldo + int64_t(h) * HD + d0;
+      const bf16* gate = a.gate ? a.gate + int64_t(t) * a.ldg + int64_t(h) * a.gate_hs + d0 : nullptr;
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        float x0 = o[mt][n][2 * i] * inv, x1 = o[mt][n][2 * i + 1] * inv;
+        if (gate) {
+          const float2 gv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(gate + 8 * n));
+          x0 *= sigmoid(gv.x);
+          x1 *= sigmoid(gv.y);
+        }
+        *reinterpret_cast<__nv_bfloat162*>(dst + 8 * n) = __floats2bfloat162_rn(x0, x1);
+      }
+    }
+}
+
+template <int HD> void launch_flash(const FlashArgs& a, int heads, cudaStream_t stream) {
+  using Cfg = FlashConfig<HD>;
+  // Once per instantiation (thread-safe static initialisation); allowed during graph capture.
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(flash_attention_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM);
+  check_cuda(attr, "cudaFuncSetAttribute (flash_attention_kernel)");
+  const dim3 grid(unsigned(heads), unsigned((a.T + kFlashRows - 1) / kFlashRows));
+  flash_attention_kernel<HD><<<grid, Cfg::THREADS, Cfg::SMEM, stream>>>(a);
+  check_launch("flash_attention_kernel");
+}
+
+// hd 64, 128 or 256.
+void launch_flash_hd(int hd, const FlashArgs& a, int heads, cudaStream_t stream) {
+  switch (hd) {
+    case 64: launch_flash<64>(a, heads, stream); break;
+    case 128: launch_flash<128>(a, heads, stream); break;
+    default: launch_flash<256>(a, heads, stream); break;
+  }
+}
+
+// Whether views with these base pointers and row strides (elements) keep every row 16-byte aligned,
+// as the flash kernel's loads need.
+bool flash_aligned(std::initializer_list<std::pair<const void*, int64_t>> views) {
+  for (const auto& [p, ld] : views)
+    if (!aligned16(p) || ld % 8 != 0) return false;
+  return true;
+}
+
 }  // namespace
 }  // namespace cuda
 
@@ -326,6 +644,28 @@ void CudaBackend::attention(const Tensor& q, const Tensor& k_cache, const Tensor
   if (T == 0) return;
   activate();
   const int G = int(Hq / Hkv);
+  const int64_t ldc = k_cache.row_stride;
+  if (T > kFlashMinTokens && (hd == 64 || hd == 128 || hd == 256) &&
+      flash_aligned({{q.data, q.row_stride}, {k_cache.data, ldc}, {v_cache.data, ldc}, {qkv.data, qkv.row_stride},
+                     {out.data, out.row_stride}})) {
+    FlashArgs a;
+    a.q = q.ptr<const bf16>();
+    a.ldq = q.row_stride;
+    a.k = k_cache.ptr<const bf16>();
+    a.v = v_cache.ptr<const bf16>();
+    a.ldkv = ldc;
+    a.gate = qkv.ptr<const bf16>() + hd;  // per q head: [q | gate]
+    a.ldg = qkv.row_stride;
+    a.gate_hs = 2 * hd;
+    a.out = out.ptr<bf16>();
+    a.ldo = out.row_stride;
+    a.positions = positions.ptr<const int32_t>();
+    a.T = int(T);
+    a.G = G;
+    a.scale_log2 = p.scale * 1.4426950408889634f;
+    launch_flash_hd(int(hd), a, int(Hq), stream_);
+    return;
+  }
   const int GM = G <= 1 ? 1 : G <= 2 ? 2 : G <= 4 ? 4 : 8;
   const int64_t max_ctx = k_cache.dim(0);
   // Splits: enough blocks for ~4 per SM at decode, none for prefill-sized T; bounded by the cache
@@ -348,7 +688,6 @@ void CudaBackend::attention(const Tensor& q, const Tensor& k_cache, const Tensor
   auto* vc = v_cache.ptr<const bf16>();
   auto* gp = qkv.ptr<const bf16>();
   auto* pp = positions.ptr<const int32_t>();
-  const int64_t ldc = k_cache.row_stride;
   switch (hd) {
     case 32:
       launch_attention_e<1>(GM, grid, qp, ldq, kc, vc, ldc, gp, qkv.row_stride, pp, part, out.ptr<bf16>(),
@@ -380,10 +719,11 @@ namespace {
 // ---------------------------------------------------------------------------------------------
 // vision_attention: bidirectional attention inside each image for the vision encoder.
 // Step 1 rotates q and k in place (2-D RoPE, angles from double-precision powers as on the CPU).
-// Step 2: a block of kVisRows warps takes kVisRows consecutive query rows of one head; K / V tiles of
-// 32 keys go through shared memory once per block; lane j scores key j of the tile against its
-// warp's query, the warp runs an online softmax, and each lane accumulates its head dimensions.
-// Rows of different images in one block each mask the keys outside their own image.
+// Step 2, head_dim 64 / 128: flash_attention, each row's keys being its image. Otherwise (16 / 32,
+// misaligned views): a block of kVisRows warps takes kVisRows consecutive query rows of one head;
+// K / V tiles of 32 keys go through shared memory once per block; lane j scores key j of the tile
+// against its warp's query, the warp runs an online softmax, and each lane accumulates its head
+// dimensions. Rows of different images in one block each mask the keys outside their own image.
 // ---------------------------------------------------------------------------------------------
 constexpr int kVisRows = 8;
 constexpr int kVisKeys = 32;
@@ -506,9 +846,26 @@ void CudaBackend::vision_attention(const Tensor& qkv, const Tensor& patch_pos, c
                                                                         patch_pos.ptr<const int32_t>(), N, int(H),
                                                                         int(hd), rope_theta);
   check_launch("vision_rope_kernel");
+  const float scale_log2 = float(1.0 / std::sqrt(double(hd))) * 1.4426950408889634f;
+  if ((hd == 64 || hd == 128) && flash_aligned({{qkv.data, qkv.row_stride}, {out.data, out.row_stride}})) {
+    OCRIA_RT_REQUIRE((N + kFlashRows - 1) / kFlashRows <= 65535, op, "too many patches");
+    FlashArgs a;
+    a.q = qkv.ptr<const bf16>();  // q | k | v, head-major
+    a.ldq = qkv.row_stride;
+    a.k = a.q + H * hd;
+    a.v = a.q + 2 * H * hd;
+    a.ldkv = qkv.row_stride;
+    a.out = out.ptr<bf16>();
+    a.ldo = out.row_stride;
+    a.cu = cu_seqlens.ptr<const int32_t>();
+    a.segments = int(images);
+    a.T = int(N);
+    a.scale_log2 = scale_log2;
+    launch_flash_hd(int(hd), a, int(H), stream_);
+    return;
+  }
   const dim3 grid(unsigned((N + kVisRows - 1) / kVisRows), unsigned(H));
   OCRIA_RT_REQUIRE(grid.y <= 65535, op, "too many heads");
-  const float scale_log2 = float(1.0 / std::sqrt(double(hd))) * 1.4426950408889634f;
   auto launch = [&](auto kernel) {
     kernel<<<grid, kVisRows * 32, 0, stream_>>>(qkv.ptr<const bf16>(), qkv.row_stride, cu_seqlens.ptr<const int32_t>(),
                                                 int(images), N, int(H), scale_log2, out.ptr<bf16>(), out.row_stride);

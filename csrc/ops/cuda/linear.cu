@@ -10,6 +10,7 @@
 
 #include "ops/cuda/backend.cuh"
 #include "ops/cuda/linear.cuh"
+#include "ops/cuda/mma.cuh"
 
 namespace ocria_rt {
 namespace cuda {
@@ -41,28 +42,6 @@ namespace {
 // each of its 16 rows before pdl_wait(); only then does it read x. The weight stream thereby starts
 // while the kernels before it (norms, attention, the DeltaNet chain) still run.
 // ---------------------------------------------------------------------------------------------
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
-// Brings `bytes` (a multiple of 16) of global memory at a 16-byte aligned address into L2 (a hint,
-// carried out asynchronously by the TMA unit).
-__device__ __forceinline__ void prefetch_l2(const void* gmem, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(gmem), "r"(bytes) : "memory");
-}
-
-// c += A(16x16, row) · B(16x8, col), BF16 inputs, fp32 accumulators.
-__device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                          uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 template <class T> __device__ __forceinline__ void store_out(T* p, float v);
 template <> __device__ __forceinline__ void store_out<bf16>(bf16* p, float v) { *p = __float2bfloat16_rn(v); }
