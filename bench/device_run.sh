@@ -4,7 +4,8 @@
 #
 #   bench/device_run.sh OUT_DIR [tests|kernels|decode|vision|all ...]
 #
-# Extra benchmark arguments: DECODE_ARGS, VISION_ARGS; build parallelism: CMAKE_BUILD_PARALLEL_LEVEL.
+# Extra benchmark arguments: DECODE_ARGS, VISION_ARGS, TEST_ARGS (pytest; default: the whole suite);
+# build parallelism: CMAKE_BUILD_PARALLEL_LEVEL; OCRIA_RT_SKIP_BUILD=1 uses what an earlier run installed.
 #
 # Dependencies the machine lacks come as wheels in .wheels/ (nvidia-cutlass for the CUTLASS headers,
 # flash-linear-attention + fla-core for the benchmark peer); everything else (torch, transformers,
@@ -19,19 +20,20 @@ export PYTHONUNBUFFERED=1
 
 has_step() { [[ " $STEPS " == *" all "* || " $STEPS " == *" $1 "* ]]; }
 
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .wheels/*.whl || exit 1
 export PYTHONPATH=/tmp/site
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT_DIR/gpu.txt" 2>&1
-
-start=$(date +%s)
-OCRIA_RT_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} python3 -m pip install -q --no-build-isolation --no-deps . \
-  > "$OUT_DIR/build.log" 2>&1 || { tail -40 "$OUT_DIR/build.log"; exit 1; }
-echo "build: $(( $(date +%s) - start )) s"
+if [ "${OCRIA_RT_SKIP_BUILD:-0}" != 1 ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .wheels/*.whl || exit 1
+  start=$(date +%s)
+  OCRIA_RT_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} python3 -m pip install -q --no-build-isolation --no-deps . \
+    > "$OUT_DIR/build.log" 2>&1 || { tail -40 "$OUT_DIR/build.log"; exit 1; }
+  echo "build: $(( $(date +%s) - start )) s"
+fi
 python3 -c "import ocria_rt, json; print(json.dumps(ocria_rt.build_info()))"
 
 status=0
 if has_step tests; then
-  python3 -m pytest -q -rs tests 2>&1 | tee "$OUT_DIR/tests.log" | tail -25
+  python3 -m pytest -q -rs ${TEST_ARGS:-tests} 2>&1 | tee "$OUT_DIR/tests.log" | tail -25
   status=${PIPESTATUS[0]}
 fi
 if has_step kernels && [ -f bench/kernels.py ]; then

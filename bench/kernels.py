@@ -5,8 +5,9 @@
 - linear, decode / verify (M = 1..16 tokens): achieved bandwidth (weight bytes + activations) against
   the measured device-to-device copy bandwidth (bytes read + written per second);
 - linear, prefill (M = 8192): TFLOP/s against torch.matmul (cuBLAS) on the same shapes, same run;
-- Gated DeltaNet recurrence per layer at T = 1 and 16 (and the chunked entry point at T = 1024),
-  against the time to read and write the fp32 state once;
+- Gated DeltaNet recurrence per layer at T = 1 and 16, against the time to read and write the fp32
+  state once; GDN prefill (the chunked kernels) at T = 1k / 4k / 8k beside the token-serial
+  recurrence and flash-linear-attention's chunk_gated_delta_rule (when fla and torch import);
 - attention decode at 1k / 8k / 32k context (and verify T = 16 at 8k), against reading the KV cache once;
 - attention prefill (causal, T = 1k / 4k / 8k tokens from an empty cache): TFLOP/s against torch's
   scaled_dot_product_attention (flash backend, K / V repeated over the GQA group) on the same shapes;
@@ -48,6 +49,7 @@ DECODE_M = [1, 2, 4, 8, 16]
 PREFILL_M = 8192
 ATTN_CONTEXTS = [1024, 8192, 32768]
 ATTN_PREFILL_T = [1024, 4096, 8192]
+GDN_PREFILL_T = [1024, 4096, 8192]
 
 
 def med(xs: list[float]) -> float:
@@ -111,6 +113,32 @@ def torch_sdpa_tflops(T: int, reps: int) -> float | None:
     return causal_attention_flops(T) / med(times) / 1e12
 
 
+def fla_gdn_us(T: int, reps: int) -> float | None:
+    """flash-linear-attention's chunk_gated_delta_rule on one 4B GDN layer of T tokens (q, k given
+    at the value heads, the gates precomputed, q / k L2-normalised inside, from an initial state to a
+    final one): median microseconds per call, CUDA events around the Python call. None without
+    torch / fla."""
+    try:
+        import torch
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception:  # noqa: BLE001 - not installed
+        return None
+    dev, bf = "cuda", torch.bfloat16
+    q = torch.randn(1, T, HV, DK, device=dev, dtype=bf)
+    k = torch.randn(1, T, HV, DK, device=dev, dtype=bf)
+    v = torch.randn(1, T, HV, DV, device=dev, dtype=bf)
+    g = -torch.rand(1, T, HV, device=dev, dtype=torch.float32)
+    beta = torch.rand(1, T, HV, device=dev, dtype=bf)
+    h0 = torch.randn(1, HV, DK, DV, device=dev, dtype=torch.float32) * 0.05
+    try:
+        times = cuda_times(lambda: chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=h0,
+                                                          output_final_state=True, use_qk_l2norm_in_kernel=True), reps)
+    except Exception as e:  # noqa: BLE001 - an fla version with another signature
+        print(f"fla chunk_gated_delta_rule failed: {e}", flush=True)
+        return None
+    return med(times) * 1e6
+
+
 def device_name() -> str:
     try:
         import torch
@@ -134,7 +162,8 @@ def main() -> None:
     bw, bw_source = copy_bandwidth(kb, args.reps)
     print(f"device: {device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s ({bw_source})", flush=True)
     results: dict = {"device": device_name(), "copy_bandwidth_Bps": bw, "copy_bandwidth_source": bw_source,
-                     "linear_decode": [], "linear_prefill": [], "gdn": [], "attention": [], "attention_prefill": [],
+                     "linear_decode": [], "linear_prefill": [], "gdn": [], "gdn_prefill": [], "attention": [],
+                     "attention_prefill": [],
                      "sample": []}
     summary: list[dict] = []
 
@@ -180,19 +209,37 @@ def main() -> None:
     # ---- Gated DeltaNet recurrence ----
     rows = []
     state_bytes = 2 * HV * DK * DV * 4  # read + write
-    for T, chunked in [(1, False), (16, False), (1024, True)]:
-        us = med(kb.gdn(T, HK, HV, DK, DV, chunked=chunked, iters=50 if T <= 16 else 5, reps=args.reps))
+    for T in (1, 16):
+        us = med(kb.gdn(T, HK, HV, DK, DV, chunked=False, iters=50, reps=args.reps))
         floor_us = state_bytes / bw * 1e6
-        entry = "gdn_chunked" if chunked else "gdn_recurrent"
-        r = {"op": entry, "T": T, "us per layer": round(us, 2), "us per token": round(us / T, 3),
+        r = {"op": "gdn_recurrent", "T": T, "us per layer": round(us, 2), "us per token": round(us / T, 3),
              "state r+w floor us": round(floor_us, 2)}
         rows.append(r)
         results["gdn"].append(r)
-        summary.append({"kernel": entry, "case": f"T={T} HV={HV} dk=dv={DK}", "time": f"{us:.1f} us",
+        summary.append({"kernel": "gdn_recurrent", "case": f"T={T} HV={HV} dk=dv={DK}", "time": f"{us:.1f} us",
                         "achieved": f"{us / T:.2f} us/token", "reference": f"state r+w {floor_us:.1f} us",
                         "ratio": f"{floor_us / us:.0%}"})
     print("\n## Gated DeltaNet recurrence (one layer)\n")
     print(markdown_table(rows, ["op", "T", "us per layer", "us per token", "state r+w floor us"]))
+
+    # ---- Gated DeltaNet prefill: chunked kernels vs the token-serial recurrence and fla ----
+    rows = []
+    for T in GDN_PREFILL_T:
+        us = med(kb.gdn(T, HK, HV, DK, DV, chunked=True, iters=5, reps=args.reps))
+        rec = med(kb.gdn(T, HK, HV, DK, DV, chunked=False, iters=2, reps=max(3, args.reps // 2)))
+        fla = fla_gdn_us(T, args.reps)
+        r = {"T": T, "chunked us": round(us, 1), "Mtok/s": round(T / us, 2), "recurrent us": round(rec, 1),
+             "vs recurrent": f"{rec / us:.1f}x", "fla us": round(fla, 1) if fla else "n/a",
+             "vs fla": f"{fla / us:.2f}x" if fla else "n/a"}
+        rows.append(r)
+        results["gdn_prefill"].append({**r, "fla_us": fla})
+        summary.append({"kernel": "gdn_chunked", "case": f"T={T} HV={HV} dk=dv={DK}", "time": f"{us:.0f} us",
+                        "achieved": f"{T / us:.2f} Mtok/s", "reference": f"fla {fla:.0f} us" if fla else "n/a",
+                        "ratio": f"{fla / us:.0%}" if fla else "n/a"})
+        print(f"gdn prefill T={T}: chunked {us:.0f} us, recurrent {rec:.0f} us, fla {fla and round(fla)} us",
+              flush=True)
+    print("\n## Gated DeltaNet prefill (one layer; fla timed with CUDA events around its Python call)\n")
+    print(markdown_table(rows, ["T", "chunked us", "Mtok/s", "recurrent us", "vs recurrent", "fla us", "vs fla"]))
 
     # ---- attention over the KV cache ----
     rows = []

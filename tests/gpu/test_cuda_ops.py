@@ -21,6 +21,9 @@ pytestmark = pytest.mark.gpu
 OUT_TOL = 1e-2  # a BF16 output against the fp32 reference
 STATE_TOL = 2e-3  # fp32 state through BF16 inputs
 CHAIN_TOL = 2e-2  # several BF16 ops in a row against the fp32 reference
+# The chunked GDN kernels' state: BF16 tensor-core products with the terms that feed the state split
+# into hi + lo BF16 parts; a NumPy model of the kernels gives ~5e-5 on these inputs.
+CHUNKED_STATE_TOL = 5e-4
 
 
 @pytest.fixture(scope="module")
@@ -237,6 +240,15 @@ def test_gdn_conv(cpu, gpu, T, C):
     assert relerr(gstate, cstate) <= 1e-6  # the state is a copy of (BF16) inputs
 
 
+def gdn_inputs(rng, hk, hv, dk, dv, T):
+    qkv = randn(rng, T, 2 * hk * dk + hv * dv)
+    ba = randn(rng, T, 2 * hv)
+    A_log = np.log(rng.uniform(0.05, 8, hv)).astype(np.float32)
+    dt_bias = randn(rng, hv, scale=0.1)
+    state = randn(rng, hv, dk, dv, scale=0.2)
+    return qkv, ba, A_log, dt_bias, state
+
+
 GDN_CASES = [
     # hk, hv, dk, dv, T
     (16, 32, 128, 128, 1),
@@ -255,15 +267,53 @@ GDN_CASES = [
 @pytest.mark.parametrize("chunked", [False, True])
 def test_gdn(cpu, gpu, hk, hv, dk, dv, T, chunked):
     rng = np.random.default_rng(hv * dv + T + dk)
-    qkv = randn(rng, T, 2 * hk * dk + hv * dv)
-    ba = randn(rng, T, 2 * hv)
-    A_log = np.log(rng.uniform(0.05, 8, hv)).astype(np.float32)
-    dt_bias = randn(rng, hv, scale=0.1)
-    state = randn(rng, hv, dk, dv, scale=0.2)
-    gout, gstate = gpu.gdn(qkv, ba, A_log, dt_bias, state, hk, hv, dk, dv, chunked)
-    cout, cstate = cpu.gdn(qkv, ba, A_log, dt_bias, state, hk, hv, dk, dv, chunked)
+    args = gdn_inputs(rng, hk, hv, dk, dv, T)
+    gout, gstate = gpu.gdn(*args, hk, hv, dk, dv, chunked)
+    cout, cstate = cpu.gdn(*args, hk, hv, dk, dv, chunked)
     assert relerr(gout, cout) <= OUT_TOL
     assert relerr(gstate, cstate) <= STATE_TOL
+
+
+GDN_CHUNKED_CASES = [
+    # hk, hv, dk, dv, T: one chunk, partial last chunks, GQA 1 and 2
+    (4, 8, 128, 128, 64),
+    (4, 8, 128, 128, 100),
+    (4, 4, 128, 128, 257),
+    (2, 4, 128, 128, 1000),
+    (2, 4, 64, 128, 100),
+    (2, 2, 64, 128, 257),
+    (2, 4, 64, 128, 1000),
+    (2, 4, 64, 48, 130),  # dv not a multiple of 32: the last 32-column state slice is half empty
+    (16, 32, 128, 128, 2500),  # the 4B shape over 3 passes of 16 chunks
+]
+
+
+@pytest.mark.parametrize("hk,hv,dk,dv,T", GDN_CHUNKED_CASES)
+def test_gdn_chunked(cpu, gpu, hk, hv, dk, dv, T):
+    """The tensor-core chunked kernels from a non-zero state against the CPU's chunked form and the
+    GPU recurrence."""
+    rng = np.random.default_rng(hk * dk + hv * dv + T)
+    args = gdn_inputs(rng, hk, hv, dk, dv, T)
+    gout, gstate = gpu.gdn(*args, hk, hv, dk, dv, True)
+    cout, cstate = cpu.gdn(*args, hk, hv, dk, dv, True)
+    rout, rstate = gpu.gdn(*args, hk, hv, dk, dv, False)
+    assert relerr(gout, cout) <= OUT_TOL
+    assert relerr(gstate, cstate) <= CHUNKED_STATE_TOL
+    assert relerr(gout, rout) <= OUT_TOL
+    assert relerr(gstate, rstate) <= CHUNKED_STATE_TOL
+
+
+def test_gdn_chunked_continues_state(cpu, gpu):
+    """Two chunked calls (the second from the state the first left, neither a whole number of
+    chunks) equal one CPU call over all the tokens."""
+    rng = np.random.default_rng(77)
+    hk, hv, dk, dv, T1, T2 = 2, 4, 128, 128, 150, 201
+    qkv, ba, A_log, dt_bias, state = gdn_inputs(rng, hk, hv, dk, dv, T1 + T2)
+    o1, s1 = gpu.gdn(qkv[:T1], ba[:T1], A_log, dt_bias, state, hk, hv, dk, dv, True)
+    o2, s2 = gpu.gdn(qkv[T1:], ba[T1:], A_log, dt_bias, s1, hk, hv, dk, dv, True)
+    cout, cstate = cpu.gdn(qkv, ba, A_log, dt_bias, state, hk, hv, dk, dv, False)
+    assert relerr(np.concatenate([o1, o2]), cout) <= OUT_TOL
+    assert relerr(s2, cstate) <= CHUNKED_STATE_TOL
 
 
 @pytest.mark.parametrize("T,hv,dv", [(5, 4, 24), (1, 32, 128), (16, 32, 128), (3, 2, 256)])

@@ -173,7 +173,8 @@ class CudaBackend final : public Backend {
   // Grows the op workspace to at least `bytes` (it starts at kDefaultWorkspaceBytes). Call before
   // capturing graphs; ops never allocate. Sampling of R rows of V logits needs about R * V * 4 bytes
   // (rows beyond what fits are processed in several launches), attention about
-  // 16 * Hq * splits * (head_dim + 2) * 4 (fewer splits are used when it is smaller).
+  // 16 * Hq * splits * (head_dim + 2) * 4 (fewer splits are used when it is smaller), the chunked
+  // GDN about HV * (2 dk + 4 dv + 136) bytes per token (longer prompts take several passes).
   void reserve_workspace(size_t bytes);
   size_t workspace_bytes() const { return workspace_bytes_; }
   static constexpr size_t kDefaultWorkspaceBytes = size_t(64) << 20;
@@ -232,8 +233,9 @@ class CudaBackend final : public Backend {
   void activate() const;
   cuda::LaunchCtx launch_ctx() const { return {stream_, pdl_}; }
   void free_resources() noexcept;
+  // The GDN recurrence ops; `chunked` takes the chunked tensor-core kernels where they apply.
   void gdn_run(const char* op, const Tensor& qkv, const Tensor& ba, const Tensor& A_log, const Tensor& dt_bias,
-               const Tensor& state, const GdnParams& p, const Tensor& out);
+               const Tensor& state, const GdnParams& p, const Tensor& out, bool chunked);
 
   int device_ = 0;
   int sm_count_ = 0;

@@ -3,18 +3,20 @@
 // Per value head h (key head h / (HV / HK)) and token t, with S [dk, dv] fp32:
 //   q, k L2-normalised, q *= dk^-0.5, beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)
 //   S = exp(g) S;  u = beta (v - S^T k);  S = S + k u^T;  o = S^T q
-// Since S_new = S_dec + k u^T, o = S_dec^T q + u (k . q): both reductions over dk (S_dec^T k and
-// S_dec^T q) happen in the same pass, so each token needs one block-wide exchange.
 //
-// Kernel layout: one block per (value head, 32 columns of dv), 4 warps. Lane = column j; warp w holds
-// rows i in [w dk/4, (w+1) dk/4) of S in registers for the whole call, so the state is read and
-// written once. Tokens are processed in chunks of 16: the warps first normalise q, k and compute
-// beta, exp(g), k.q of the chunk's tokens into shared memory, then step through the tokens.
+// Token-serial kernel (gdn_recurrent; gdn_chunked below 64 tokens or for shapes the chunked
+// kernels do not take). Since S_new = S_dec + k u^T, o = S_dec^T q + u (k . q): both reductions over
+// dk (S_dec^T k and S_dec^T q) happen in the same pass, so each token needs one block-wide exchange.
+// One block per (value head, 32 columns of dv), 4 warps. Lane = column j; warp w holds rows i in
+// [w dk/4, (w+1) dk/4) of S in registers for the whole call, so the state is read and written once.
+// Tokens are processed in chunks of 16: the warps first normalise q, k and compute beta, exp(g), k.q
+// of the chunk's tokens into shared memory, then step through the tokens.
 //
-// gdn_chunked runs the same kernel: it is exact, and costs ~0.1-0.2 us per token per layer, fine for
-// the prompt lengths of page parsing. A chunked (WY / UT-transform) tensor-core kernel for long
-// prefills is future work.
+// Chunked form (gdn_chunked from 64 tokens, BF16, dk 64 / 128): see the comment before its kernels.
 #include "ops/cuda/backend.cuh"
+#include "ops/cuda/mma.cuh"
+
+#include <algorithm>
 
 namespace ocria_rt {
 namespace cuda {
@@ -174,11 +176,564 @@ void launch_recurrent(int dk, dim3 grid, const Tensor& qkv, const Tensor& ba, Pa
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Chunked (WY / UT-transform) form, the algebra of cpu/gdn.cpp's gdn_chunked. Tokens are cut into
+// chunks of kC = 64; inside a chunk, with G_i = sum_{s <= i} g_s and S the state entering it:
+//   A  = tril_strict(beta_i e^(G_i - G_j) k_i.k_j),  Ti = (I + A)^-1
+//   W  = Ti diag(beta e^G) K,  U = Ti diag(beta) V        (the state-independent part)
+//   V' = U - W S                                          (the values the tokens actually write)
+//   O  = diag(e^G) Q S + tril(e^(G_i - G_j) q_i.k_j) V'
+//   S' = e^(G_last) S + K^T diag(e^(G_last - G)) V'
+// G is non-increasing, so every exponential formed, e^(G_i - G_j) for i >= j, e^G and
+// e^(G_last - G), is of a non-positive number.
+//
+// Two kernels per pass over up to kPassChunks chunks (the scratch lives in the op workspace):
+//  - gdn_chunk_prep_kernel, one block per (chunk, value head), all chunks in parallel: gates, norms,
+//    A and P = tril(e^(G_i - G_j) q_i.k_j) on tensor cores, Ti by forward substitution in fp32,
+//    then W, U on tensor cores; writes W (BF16), P (BF16), U (fp32) and per-token scales.
+//  - gdn_chunk_state_kernel, one block per (value head, 32 columns of dv): column c of S only
+//    depends on column c of U, so each block walks the chunks in order with its [dk, 32] slice of S
+//    in registers (fp32 mma accumulators), forming V', O and S' with mma.sync.
+//
+// q, k, v enter every product as the raw BF16 inputs (exact); their L2 norms and the decays are
+// fp32 row / column scales applied around the mma. Precision (measured with a NumPy model of the
+// kernels on the test inputs, against an fp64 recurrence): rounding Ti, U or the state update's V'
+// to BF16 each cost ~1.6e-3 relative error on the state, so U = Ti diag(beta) V uses Ti split into
+// hi + lo BF16 parts, U stays fp32, and K^T V' uses V' split into hi + lo; the state then agrees with
+// the fp32 reference to ~5e-5. W, P, the state as the B operand of W S and Q S, and V' in P V' are
+// single BF16 (as in flash-linear-attention); the output's error (~3e-3) is mostly its own BF16
+// rounding.
+// ---------------------------------------------------------------------------------------------
+
+constexpr int kC = 64;                  // chunk length
+constexpr int kScal = 2 * kC + 4;       // per (chunk, head): e^G q-norm [kC], e^(G_last - G) k-norm [kC], e^G_last, pad
+constexpr int kPrepThreads = 2 * kC;    // 4 warps: warp w owns rows 16w .. 16w+15 of the chunk's matrices
+constexpr int kStateThreads = 256;      // 8 warps
+constexpr int kSlice = 32;              // state columns per gdn_chunk_state_kernel block
+constexpr int kMaxChunkedDv = 256;
+// Chunks per pass at most: 1024 tokens, so that a pass's scratch (~29 MB for the 4B's 32 value
+// heads) can stay in L2 (50 MB) between the two kernels. The workspace may allow fewer.
+constexpr int kPassChunks = 16;
+
+// mma.sync with the A fragment as one array (fragment layouts: mma.cuh).
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  mma_16816(c, a[0], a[1], a[2], a[3], b0, b1);
+}
+
+// Operand fragments from BF16 tiles in shared memory (row stride ld elements, rows 16-byte aligned)
+// with ldmatrix.x4 (see mma.cuh); l & 8 and (l >> 4) * 8 pick the 8x8 quadrant each lane addresses.
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const bf16* p) {
+  ldmatrix_x4(r, static_cast<uint32_t>(__cvta_generic_to_shared(p)));
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const bf16* p) {
+  ldmatrix_x4_trans(r, static_cast<uint32_t>(__cvta_generic_to_shared(p)));
+}
+// A at (rows m0, cols k0) of a row-major [m][k] tile: quadrants (m0, k0), (m0+8, k0), (m0, k0+8), (m0+8, k0+8).
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const bf16* x, int ld, int m0, int k0) {
+  const int l = threadIdx.x & 31;
+  ldsm_x4(a, x + (m0 + (l & 7) + (l & 8)) * ld + k0 + (l >> 4) * 8);
+}
+// A at (rows m0, cols k0) of A = X^T, X a row-major [k][m] tile.
+__device__ __forceinline__ void load_a_trans(uint32_t (&a)[4], const bf16* x, int ld, int m0, int k0) {
+  const int l = threadIdx.x & 31;
+  ldsm_x4_trans(a, x + (k0 + (l & 7) + (l >> 4) * 8) * ld + m0 + (l & 8));
+}
+// B for k rows k0 .. k0+15 and two 8-column tiles n0 .., n0+8 .. of B = X^T, X a row-major [n][k]
+// tile: b[0], b[1] are the first tile's b0, b1, and b[2], b[3] the second's.
+__device__ __forceinline__ void load_b(uint32_t (&b)[4], const bf16* x, int ld, int k0, int n0) {
+  const int l = threadIdx.x & 31;
+  ldsm_x4(b, x + (n0 + (l & 7) + (l >> 4) * 8) * ld + k0 + (l & 8));
+}
+// Same, B a row-major [k][n] tile.
+__device__ __forceinline__ void load_b_trans(uint32_t (&b)[4], const bf16* x, int ld, int k0, int n0) {
+  const int l = threadIdx.x & 31;
+  ldsm_x4_trans(b, x + (k0 + (l & 7) + (l & 8)) * ld + n0 + (l >> 4) * 8);
+}
+
+__device__ __forceinline__ void store_bf16x2(bf16* p, float a, float b) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+}
+
+// Scratch of one pass, per (chunk, value head) ch = chunk * HV + h: W [kC, dk] BF16, P [kC, kC]
+// BF16 (zero above the diagonal), U [kC, dv] fp32, scal [kScal] fp32.
+struct ChunkScratch {
+  bf16* W;
+  bf16* P;
+  float* U;
+  float* scal;
+};
+
+size_t chunk_scratch_bytes(int64_t dk, int64_t dv) {  // per (chunk, value head)
+  return size_t(kC) * size_t(2 * dk + 2 * kC + 4 * dv) + 4 * kScal;
+}
+
+ChunkScratch carve_scratch(void* ws, int64_t units, int64_t dk, int64_t dv) {  // units = chunks * HV
+  ChunkScratch s;
+  char* p = static_cast<char*>(ws);
+  s.W = reinterpret_cast<bf16*>(p);
+  p += units * kC * dk * 2;
+  s.P = reinterpret_cast<bf16*>(p);
+  p += units * kC * kC * 2;
+  s.U = reinterpret_cast<float*>(p);
+  p += units * kC * dv * 4;
+  s.scal = reinterpret_cast<float*>(p);
+  return s;
+}
+
+// Shared-memory row strides. BF16 tiles (dk + 8, dv + 8, kC + 8, kSlice + 8 elements) are odd
+// multiples of 16 bytes, so the 8 rows of an ldmatrix hit distinct banks.
+constexpr int kLdT = kC + 8;  // P, Ti (BF16)
+constexpr int kLdA = kC + 4;  // A (fp32)
+
+size_t prep_smem_bytes(int dk, int dv) {
+  return size_t(2 * kC * (dk + 8) + kC * (dv + 8) + 3 * kC * kLdT) * 2 + size_t(kC * kLdA + 5 * kC) * 4;
+}
+
+// One block per (chunk c of the pass, value head h); blockIdx = (c, h).
+template <int DK>
+__global__ void __launch_bounds__(kPrepThreads)
+    gdn_chunk_prep_kernel(const bf16* __restrict__ qkv, int64_t ldq, const bf16* __restrict__ ba, int64_t ldb,
+                          ParamView A_log, ParamView dt_bias, int tok_begin, int n_tokens, int HK, int HV, int dv,
+                          ChunkScratch scr) {
+  constexpr int LDK = DK + 8;
+  const int LDV = dv + 8;
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* Ks = reinterpret_cast<bf16*>(smem);  // raw k, q, v of the chunk; rows past the end are zero
+  bf16* Qs = Ks + kC * LDK;
+  bf16* Vs = Qs + kC * LDK;
+  float* As = reinterpret_cast<float*>(Vs + kC * LDV);
+  bf16* TiW = reinterpret_cast<bf16*>(As + kC * kLdA);  // Ti diag(beta e^G knorm), BF16
+  bf16* TiH = TiW + kC * kLdT;                          // Ti diag(beta) = TiH + TiL
+  bf16* TiL = TiH + kC * kLdT;
+  float* g_s = reinterpret_cast<float*>(TiL + kC * kLdT);
+  float* G_s = g_s + kC;
+  float* beta_s = G_s + kC;
+  float* kn_s = beta_s + kC;  // 1 / |k|
+  float* qn_s = kn_s + kC;    // dk^-0.5 / |q|
+
+  const int c = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int tok0 = tok_begin + c * kC, L = min(kC, n_tokens - tok0);
+  const int hk = h / (HV / HK);
+  const int64_t ch = int64_t(c) * HV + h;
+  const bf16* q_src = qkv + int64_t(tok0) * ldq + hk * DK;
+  const bf16* k_src = q_src + HK * DK;
+  const bf16* v_src = qkv + int64_t(tok0) * ldq + 2 * HK * DK + h * dv;
+
+  for (int i = tid; i < kC * (DK / 8); i += kPrepThreads) {
+    const int r = i / (DK / 8), e = (i % (DK / 8)) * 8;
+    const int64_t off = int64_t(r < L ? r : 0) * ldq + e;
+    cp_async16(Ks + r * LDK + e, k_src + off, r < L ? 16 : 0);
+    cp_async16(Qs + r * LDK + e, q_src + off, r < L ? 16 : 0);
+  }
+  for (int i = tid; i < kC * (dv / 8); i += kPrepThreads) {
+    const int r = i / (dv / 8), e = (i % (dv / 8)) * 8;
+    cp_async16(Vs + r * LDV + e, v_src + int64_t(r < L ? r : 0) * ldq + e, r < L ? 16 : 0);
+  }
+  cp_async_commit();
+  if (tid < kC) {  // tokens past the end get beta = 0, g = 0: they change nothing
+    float beta = 0.0f, lg = 0.0f;
+    if (tid < L) {
+      const bf16* bar = ba + int64_t(tok0 + tid) * ldb;
+      beta = sigmoid(to_float(bar[h]));
+      lg = -__expf(A_log[h]) * softplus(to_float(bar[HV + h]) + dt_bias[h]);
+    }
+    beta_s[tid] = beta;
+    g_s[tid] = lg;
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  {  // threads 0..63: 1/|k| of token tid; threads 64..127: dk^-0.5/|q| of token tid - 64
+    const int r = tid & (kC - 1);
+    const bf16* row = (tid < kC ? Ks : Qs) + r * LDK;
+    float ss = 0.0f;
+#pragma unroll
+    for (int e = 0; e < DK; e += 8) {
+      const Pack<bf16, 8> p = load_pack<bf16, 8>(row + e);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) ss = fmaf(to_float(p.v[j]), to_float(p.v[j]), ss);
+    }
+    const float inv = r < L ? rsqrtf(ss + 1e-6f) : 0.0f;
+    if (tid < kC) kn_s[r] = inv;
+    else qn_s[r] = inv * rsqrtf(float(DK));
+  }
+  if (tid == 0) {  // in token order, as the CPU reference
+    float acc = 0.0f;
+    for (int i = 0; i < kC; ++i) G_s[i] = acc += g_s[i];
+  }
+  __syncthreads();
+
+  if (tid < kC) {  // the row scales gdn_chunk_state_kernel applies
+    float* sc = scr.scal + ch * kScal;
+    const float Gi = G_s[tid], Gl = G_s[kC - 1];
+    sc[tid] = __expf(Gi) * qn_s[tid];
+    sc[kC + tid] = __expf(Gl - Gi) * kn_s[tid];
+    if (tid < 4) sc[2 * kC + tid] = tid == 0 ? __expf(Gl) : 0.0f;
+  }
+
+  {  // A (strictly lower, fp32, to shared) and P (lower, BF16, to scratch) from raw k.k and q.k.
+    // Warp w computes rows 16w .. 16w+15, columns 0 .. 16w+15 (the 16-column blocks np <= w).
+    float kk[8][4] = {}, qk[8][4] = {};
+#pragma unroll
+    for (int ks = 0; ks < DK / 16; ++ks) {
+      uint32_t ka[4], qa[4];
+      load_a(ka, Ks, LDK, 16 * warp, 16 * ks);
+      load_a(qa, Qs, LDK, 16 * warp, 16 * ks);
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        if (np > warp) continue;
+        uint32_t b[4];
+        load_b(b, Ks, LDK, 16 * ks, 16 * np);
+        mma(kk[2 * np], ka, b[0], b[1]);
+        mma(kk[2 * np + 1], ka, b[2], b[3]);
+        mma(qk[2 * np], qa, b[0], b[1]);
+        mma(qk[2 * np + 1], qa, b[2], b[3]);
+      }
+    }
+    bf16* P = scr.P + ch * kC * kC;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int i = 16 * warp + g + 8 * hr, j = 8 * nt + 2 * t;
+        float p0 = 0.0f, p1 = 0.0f;
+        if (nt / 2 <= warp) {
+          const float Gi = G_s[i], bk = beta_s[i] * kn_s[i], qn = qn_s[i];
+          const float e0 = __expf(fminf(Gi - G_s[j], 0.0f)) * kn_s[j];
+          const float e1 = __expf(fminf(Gi - G_s[j + 1], 0.0f)) * kn_s[j + 1];
+          // Entries on and above the diagonal are written as 0: the solve reads them (times 0).
+          *reinterpret_cast<float2*>(As + i * kLdA + j) =
+              make_float2(i > j ? bk * e0 * kk[nt][2 * hr] : 0.0f, i > j + 1 ? bk * e1 * kk[nt][2 * hr + 1] : 0.0f);
+          p0 = i >= j ? qn * e0 * qk[nt][2 * hr] : 0.0f;
+          p1 = i >= j + 1 ? qn * e1 * qk[nt][2 * hr + 1] : 0.0f;
+        }
+        store_bf16x2(P + i * kC + j, p0, p1);
+      }
+    }
+  }
+  __syncthreads();
+
+  if (tid < kC) {
+    // Column `col` of Ti = (I + A)^-1 by forward substitution: x_i = [i == col] - sum_{j<i} A_ij x_j.
+    // x_j = 0 for j < col, and every x_j not yet computed is 0, so whole float4 groups of A can be
+    // read (A's entries at j >= i are 0).
+    const int col = tid;
+    float x[kC];
+#pragma unroll
+    for (int i = 0; i < kC; ++i) x[i] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kC; ++i) {
+      float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma unroll
+      for (int j = 0; j < i; j += 4) {
+        const float4 a = *reinterpret_cast<const float4*>(As + i * kLdA + j);
+        s0 = fmaf(a.x, x[j], s0);
+        s1 = fmaf(a.y, x[j + 1], s1);
+        s2 = fmaf(a.z, x[j + 2], s2);
+        s3 = fmaf(a.w, x[j + 3], s3);
+      }
+      x[i] = i == col ? 1.0f : i < col ? 0.0f : -((s0 + s1) + (s2 + s3));
+    }
+    const float dw = beta_s[col] * __expf(G_s[col]) * kn_s[col], du = beta_s[col];
+#pragma unroll
+    for (int i = 0; i < kC; ++i) {
+      TiW[i * kLdT + col] = __float2bfloat16_rn(x[i] * dw);
+      const float u = x[i] * du;
+      const bf16 hi = __float2bfloat16_rn(u);
+      TiH[i * kLdT + col] = hi;
+      TiL[i * kLdT + col] = __float2bfloat16_rn(u - __bfloat162float(hi));
+    }
+  }
+  __syncthreads();
+
+  // W = TiW K, U = (TiH + TiL) V for rows 16w .. 16w+15; Ti is lower triangular, so k-steps ks <= w.
+  {
+    float acc[DK / 8][4] = {};
+    for (int ks = 0; ks <= warp; ++ks) {
+      uint32_t a[4];
+      load_a(a, TiW, kLdT, 16 * warp, 16 * ks);
+#pragma unroll
+      for (int np = 0; np < DK / 16; ++np) {
+        uint32_t b[4];
+        load_b_trans(b, Ks, LDK, 16 * ks, 16 * np);
+        mma(acc[2 * np], a, b[0], b[1]);
+        mma(acc[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+    bf16* W = scr.W + ch * kC * DK;
+#pragma unroll
+    for (int nt = 0; nt < DK / 8; ++nt)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr)
+        store_bf16x2(W + (16 * warp + g + 8 * hr) * DK + 8 * nt + 2 * t, acc[nt][2 * hr], acc[nt][2 * hr + 1]);
+  }
+  float* U = scr.U + ch * kC * dv;
+  for (int c0 = 0; c0 < dv; c0 += 64) {  // 64 columns at a time; dv is a multiple of 16
+    float acc[8][4] = {};
+    for (int ks = 0; ks <= warp; ++ks) {
+      uint32_t ah[4], al[4];
+      load_a(ah, TiH, kLdT, 16 * warp, 16 * ks);
+      load_a(al, TiL, kLdT, 16 * warp, 16 * ks);
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        if (c0 + 16 * np >= dv) continue;
+        uint32_t b[4];
+        load_b_trans(b, Vs, LDV, 16 * ks, c0 + 16 * np);
+        mma(acc[2 * np], ah, b[0], b[1]);
+        mma(acc[2 * np], al, b[0], b[1]);
+        mma(acc[2 * np + 1], ah, b[2], b[3]);
+        mma(acc[2 * np + 1], al, b[2], b[3]);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      if (c0 + 8 * nt >= dv) continue;
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr)
+        *reinterpret_cast<float2*>(U + (16 * warp + g + 8 * hr) * dv + c0 + 8 * nt + 2 * t) =
+            make_float2(acc[nt][2 * hr], acc[nt][2 * hr + 1]);
+    }
+  }
+}
+
+// Shared memory of gdn_chunk_state_kernel: two chunk buffers (cp.async double buffering), then the
+// state as a BF16 B operand and the chunk's V' (for P V') and V'' = diag(e^(G_last - G) knorm) V'
+// as hi + lo (for K^T V'').
+template <int DK> struct StateSmem {
+  static constexpr int kLdK = DK + 8;       // W, q, k rows (BF16)
+  static constexpr int kLdU = kSlice + 8;   // U slice rows (fp32)
+  static constexpr int kLdS = kSlice + 8;   // state slice, V', V'' rows (BF16)
+  static constexpr int kW = 0, kQ = kW + kC * kLdK * 2, kK = kQ + kC * kLdK * 2, kP = kK + kC * kLdK * 2,
+                       kU = kP + kC * kLdT * 2, kSc = kU + kC * kLdU * 4, kBuf = kSc + kScal * 4;
+  static constexpr int kSb = 2 * kBuf, kVp = kSb + DK * kLdS * 2, kVh = kVp + kC * kLdS * 2,
+                       kVl = kVh + kC * kLdS * 2, kBytes = kVl + kC * kLdS * 2;
+};
+
+// One block per (value head h, columns col0 .. col0+31 of dv); blockIdx = (h, col0 / 32). Walks the
+// pass's n_chunks chunks in order. Warp w computes, per chunk:
+//  - tokens 16 (w/2) .. +15 x columns 16 (w%2) .. +15 of V' = U - W S, Q S and O;
+//  - state rows 16 ms .. +15 x its PP = DK/32 8-column tiles from ns0 of S' (the tiles it holds).
+template <int DK>
+__global__ void __launch_bounds__(kStateThreads, 1)
+    gdn_chunk_state_kernel(const bf16* __restrict__ qkv, int64_t ldq, int tok_begin, int n_tokens, int n_chunks,
+                           int HK, int HV, int dv, ChunkScratch scr, float* __restrict__ state,
+                           bf16* __restrict__ out, int64_t ldo) {
+  using Sm = StateSmem<DK>;
+  constexpr int LDK = Sm::kLdK, LDU = Sm::kLdU, LDS = Sm::kLdS;
+  constexpr int PP = DK / 32;
+  static_assert(PP == 2 || PP == 4, "state tiles per warp");
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* Sb = reinterpret_cast<bf16*>(smem + Sm::kSb);
+  bf16* Vp = reinterpret_cast<bf16*>(smem + Sm::kVp);
+  bf16* Vh = reinterpret_cast<bf16*>(smem + Sm::kVh);
+  bf16* Vl = reinterpret_cast<bf16*>(smem + Sm::kVl);
+
+  const int h = blockIdx.x, col0 = blockIdx.y * kSlice, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int hk = h / (HV / HK);
+  const int mt = warp >> 1, np1 = warp & 1;                 // V' / O tile
+  const int ms = (warp * PP) >> 2, ns0 = (warp * PP) & 3;  // state tiles
+
+  auto load_chunk = [&](int c) {
+    unsigned char* buf = smem + (c & 1) * Sm::kBuf;
+    bf16* Ws = reinterpret_cast<bf16*>(buf + Sm::kW);
+    bf16* Qs = reinterpret_cast<bf16*>(buf + Sm::kQ);
+    bf16* Ks = reinterpret_cast<bf16*>(buf + Sm::kK);
+    bf16* Ps = reinterpret_cast<bf16*>(buf + Sm::kP);
+    float* Us = reinterpret_cast<float*>(buf + Sm::kU);
+    float* Sc = reinterpret_cast<float*>(buf + Sm::kSc);
+    const int tok0 = tok_begin + c * kC, L = min(kC, n_tokens - tok0);
+    const int64_t ch = int64_t(c) * HV + h;
+    const bf16* Wg = scr.W + ch * kC * DK;
+    const bf16* Pg = scr.P + ch * kC * kC;
+    const float* Ug = scr.U + ch * kC * dv + col0;
+    const float* Cg = scr.scal + ch * kScal;
+    const bf16* qg = qkv + int64_t(tok0) * ldq + hk * DK;
+    const bf16* kg = qg + HK * DK;
+    for (int i = tid; i < kC * (DK / 8); i += kStateThreads) {
+      const int r = i / (DK / 8), e = (i % (DK / 8)) * 8;
+      const int64_t off = int64_t(r < L ? r : 0) * ldq + e;
+      cp_async16(Ws + r * LDK + e, Wg + r * DK + e, 16);
+      cp_async16(Qs + r * LDK + e, qg + off, r < L ? 16 : 0);
+      cp_async16(Ks + r * LDK + e, kg + off, r < L ? 16 : 0);
+    }
+    for (int i = tid; i < kC * (kC / 8); i += kStateThreads) {
+      const int r = i / (kC / 8), e = (i % (kC / 8)) * 8;
+      cp_async16(Ps + r * kLdT + e, Pg + r * kC + e, 16);
+    }
+    for (int i = tid; i < kC * (kSlice / 4); i += kStateThreads) {
+      const int r = i / (kSlice / 4), e = (i % (kSlice / 4)) * 4;
+      const bool in = col0 + e < dv;  // columns past dv read as 0
+      cp_async16(Us + r * LDU + e, Ug + (in ? int64_t(r) * dv + e : 0), in ? 16 : 0);
+    }
+    for (int i = tid; i < kScal / 4; i += kStateThreads) cp_async16(Sc + 4 * i, Cg + 4 * i, 16);
+  };
+
+  float* Sp = state + int64_t(h) * DK * dv + col0;
+  float S[PP][4];
+#pragma unroll
+  for (int p = 0; p < PP; ++p) {
+    const int col = (ns0 + p) * 8 + 2 * t;
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const float2 v = col0 + col < dv ? *reinterpret_cast<const float2*>(Sp + int64_t(16 * ms + g + 8 * hr) * dv + col)
+                                       : make_float2(0.0f, 0.0f);
+      S[p][2 * hr] = v.x;
+      S[p][2 * hr + 1] = v.y;
+    }
+  }
+
+  load_chunk(0);
+  cp_async_commit();
+  for (int c = 0; c < n_chunks; ++c) {
+    const unsigned char* buf = smem + (c & 1) * Sm::kBuf;
+    const bf16* Ws = reinterpret_cast<const bf16*>(buf + Sm::kW);
+    const bf16* Qs = reinterpret_cast<const bf16*>(buf + Sm::kQ);
+    const bf16* Ks = reinterpret_cast<const bf16*>(buf + Sm::kK);
+    const bf16* Ps = reinterpret_cast<const bf16*>(buf + Sm::kP);
+    const float* Us = reinterpret_cast<const float*>(buf + Sm::kU);
+    const float* Sc = reinterpret_cast<const float*>(buf + Sm::kSc);
+
+    cp_async_wait<0>();  // this chunk's copies (the only group in flight)
+#pragma unroll
+    for (int p = 0; p < PP; ++p)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr)
+        store_bf16x2(Sb + (16 * ms + g + 8 * hr) * LDS + (ns0 + p) * 8 + 2 * t, S[p][2 * hr], S[p][2 * hr + 1]);
+    // After this barrier every warp is past the previous chunk, whose buffer the next copies reuse.
+    __syncthreads();
+    if (c + 1 < n_chunks) load_chunk(c + 1);
+    cp_async_commit();
+
+    // X = W S and Y = Q S (raw q) for tokens 16 mt .., columns 16 np1 ..
+    float X[2][4] = {}, Y[2][4] = {};
+#pragma unroll
+    for (int ks = 0; ks < DK / 16; ++ks) {
+      uint32_t aw[4], aq[4], b[4];
+      load_a(aw, Ws, LDK, 16 * mt, 16 * ks);
+      load_a(aq, Qs, LDK, 16 * mt, 16 * ks);
+      load_b_trans(b, Sb, LDS, 16 * ks, 16 * np1);
+      mma(X[0], aw, b[0], b[1]);
+      mma(X[1], aw, b[2], b[3]);
+      mma(Y[0], aq, b[0], b[1]);
+      mma(Y[1], aq, b[2], b[3]);
+    }
+    // V' = U - X; V'' = e^(G_last - G_i) knorm_i V'_i (hi + lo); Y_i *= e^(G_i) qnorm_i.
+#pragma unroll
+    for (int nh = 0; nh < 2; ++nh)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int i = 16 * mt + g + 8 * hr, j = 16 * np1 + 8 * nh + 2 * t;
+        const float2 u = *reinterpret_cast<const float2*>(Us + i * LDU + j);
+        const float v0 = u.x - X[nh][2 * hr], v1 = u.y - X[nh][2 * hr + 1];
+        store_bf16x2(Vp + i * LDS + j, v0, v1);
+        const float kd = Sc[kC + i], w0 = kd * v0, w1 = kd * v1;
+        const __nv_bfloat162 hi = __floats2bfloat162_rn(w0, w1);
+        *reinterpret_cast<__nv_bfloat162*>(Vh + i * LDS + j) = hi;
+        store_bf16x2(Vl + i * LDS + j, w0 - __low2float(hi), w1 - __high2float(hi));
+        const float qs = Sc[i];
+        Y[nh][2 * hr] *= qs;
+        Y[nh][2 * hr + 1] *= qs;
+      }
+    __syncthreads();
+
+    // O = Y + P V' (P is zero above the diagonal: k-steps ks <= mt).
+    for (int ks = 0; ks <= mt; ++ks) {
+      uint32_t a[4], b[4];
+      load_a(a, Ps, kLdT, 16 * mt, 16 * ks);
+      load_b_trans(b, Vp, LDS, 16 * ks, 16 * np1);
+      mma(Y[0], a, b[0], b[1]);
+      mma(Y[1], a, b[2], b[3]);
+    }
+    const int tok0 = tok_begin + c * kC, L = min(kC, n_tokens - tok0);
+#pragma unroll
+    for (int nh = 0; nh < 2; ++nh)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int i = 16 * mt + g + 8 * hr, col = col0 + 16 * np1 + 8 * nh + 2 * t;
+        if (i < L && col < dv)
+          store_bf16x2(out + int64_t(tok0 + i) * ldo + int64_t(h) * dv + col, Y[nh][2 * hr], Y[nh][2 * hr + 1]);
+      }
+
+    // S' = e^(G_last) S + K^T V'' (raw k; V'' as hi + lo).
+    const float decay = Sc[2 * kC];
+#pragma unroll
+    for (int p = 0; p < PP; ++p)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) S[p][e] *= decay;
+#pragma unroll
+    for (int ks = 0; ks < kC / 16; ++ks) {
+      uint32_t a[4];
+      load_a_trans(a, Ks, LDK, 16 * ms, 16 * ks);
+#pragma unroll
+      for (int pp = 0; pp < PP / 2; ++pp) {
+        uint32_t bh[4], bl[4];
+        load_b_trans(bh, Vh, LDS, 16 * ks, 8 * ns0 + 16 * pp);
+        load_b_trans(bl, Vl, LDS, 16 * ks, 8 * ns0 + 16 * pp);
+        mma(S[2 * pp], a, bh[0], bh[1]);
+        mma(S[2 * pp], a, bl[0], bl[1]);
+        mma(S[2 * pp + 1], a, bh[2], bh[3]);
+        mma(S[2 * pp + 1], a, bl[2], bl[3]);
+      }
+    }
+  }
+
+#pragma unroll
+  for (int p = 0; p < PP; ++p) {
+    const int col = (ns0 + p) * 8 + 2 * t;
+    if (col0 + col >= dv) continue;
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr)
+      *reinterpret_cast<float2*>(Sp + int64_t(16 * ms + g + 8 * hr) * dv + col) =
+          make_float2(S[p][2 * hr], S[p][2 * hr + 1]);
+  }
+}
+
+// Whether the chunked kernels take this call (else gdn_chunked runs the recurrence).
+bool chunked_fits(const Tensor& qkv, const Tensor& out, int64_t T, int64_t dk, int64_t dv, int64_t HV,
+                  size_t workspace_bytes) {
+  return qkv.dtype == DType::BF16 && T >= kC && (dk == 64 || dk == 128) && dv % 16 == 0 && dv <= kMaxChunkedDv &&
+         aligned16(qkv.data) && qkv.row_stride % 8 == 0 && reinterpret_cast<uintptr_t>(out.data) % 4 == 0 &&
+         out.row_stride % 2 == 0 && workspace_bytes >= size_t(HV) * chunk_scratch_bytes(dk, dv);
+}
+
+// The prompt in passes of up to kPassChunks chunks (fewer if the workspace holds fewer); each pass
+// runs the prep kernel over its chunks, then the state kernel from the state the previous pass left.
+template <int DK>
+void launch_chunked(const Tensor& qkv, const Tensor& ba, ParamView A_log, ParamView dt_bias, const Tensor& state,
+                    const Tensor& out, int T, int HK, int HV, int dv, void* workspace, size_t workspace_bytes,
+                    cudaStream_t s) {
+  const int n_chunks = (T + kC - 1) / kC;
+  const int per_pass = int(std::min<size_t>(std::min(n_chunks, kPassChunks),
+                                            workspace_bytes / (size_t(HV) * chunk_scratch_bytes(DK, dv))));
+  // Once per instantiation (thread-safe static initialisation); allowed during graph capture.
+  constexpr auto kMaxSmem = cudaFuncAttributeMaxDynamicSharedMemorySize;
+  static const cudaError_t a1 =
+      cudaFuncSetAttribute(gdn_chunk_prep_kernel<DK>, kMaxSmem, int(prep_smem_bytes(DK, kMaxChunkedDv)));
+  static const cudaError_t a2 = cudaFuncSetAttribute(gdn_chunk_state_kernel<DK>, kMaxSmem, StateSmem<DK>::kBytes);
+  check_cuda(a1, "cudaFuncSetAttribute (gdn_chunk_prep_kernel)");
+  check_cuda(a2, "cudaFuncSetAttribute (gdn_chunk_state_kernel)");
+  const bf16* q = qkv.ptr<const bf16>();
+  for (int c0 = 0; c0 < n_chunks; c0 += per_pass) {
+    const int nc = std::min(per_pass, n_chunks - c0);
+    const ChunkScratch scr = carve_scratch(workspace, int64_t(nc) * HV, DK, dv);
+    gdn_chunk_prep_kernel<DK><<<dim3(unsigned(nc), unsigned(HV)), kPrepThreads, prep_smem_bytes(DK, dv), s>>>(
+        q, qkv.row_stride, ba.ptr<const bf16>(), ba.row_stride, A_log, dt_bias, c0 * kC, T, HK, HV, dv, scr);
+    check_launch("gdn_chunk_prep_kernel");
+    gdn_chunk_state_kernel<DK><<<dim3(unsigned(HV), unsigned((dv + kSlice - 1) / kSlice)), kStateThreads,
+                                 StateSmem<DK>::kBytes, s>>>(q, qkv.row_stride, c0 * kC, T, nc, HK, HV, dv, scr,
+                                                             state.ptr<float>(), out.ptr<bf16>(), out.row_stride);
+    check_launch("gdn_chunk_state_kernel");
+  }
+}
+
 }  // namespace
 }  // namespace cuda
 
 void CudaBackend::gdn_run(const char* op, const Tensor& qkv, const Tensor& ba, const Tensor& A_log,
-                          const Tensor& dt_bias, const Tensor& state, const GdnParams& p, const Tensor& out) {
+                          const Tensor& dt_bias, const Tensor& state, const GdnParams& p, const Tensor& out,
+                          bool chunked) {
   using namespace cuda;
   require_float(qkv, op, "qkv");
   require_tensor(ba, qkv.dtype, op, "ba");
@@ -200,6 +755,11 @@ void CudaBackend::gdn_run(const char* op, const Tensor& qkv, const Tensor& ba, c
   if (T == 0) return;
   OCRIA_RT_REQUIRE(T < (int64_t(1) << 31), op, "too many tokens");
   activate();
+  if (chunked && chunked_fits(qkv, out, T, dk, dv, HV, workspace_bytes_)) {
+    auto launch = dk == 64 ? launch_chunked<64> : launch_chunked<128>;
+    launch(qkv, ba, a_log, dtb, state, out, int(T), int(HK), int(HV), int(dv), workspace_, workspace_bytes_, stream_);
+    return;
+  }
   dim3 grid{unsigned(HV), unsigned((dv + 31) / 32)};
   if (qkv.dtype == DType::BF16)
     launch_recurrent<bf16>(int(dk), grid, qkv, ba, a_log, dtb, state, out, int(T), int(HK), int(HV), int(dv),
@@ -211,12 +771,12 @@ void CudaBackend::gdn_run(const char* op, const Tensor& qkv, const Tensor& ba, c
 
 void CudaBackend::gdn_recurrent(const Tensor& qkv, const Tensor& ba, const Tensor& A_log, const Tensor& dt_bias,
                                 const Tensor& state, const GdnParams& p, const Tensor& out) {
-  gdn_run("gdn_recurrent", qkv, ba, A_log, dt_bias, state, p, out);
+  gdn_run("gdn_recurrent", qkv, ba, A_log, dt_bias, state, p, out, false);
 }
 
 void CudaBackend::gdn_chunked(const Tensor& qkv, const Tensor& ba, const Tensor& A_log, const Tensor& dt_bias,
                               const Tensor& state, const GdnParams& p, const Tensor& out) {
-  gdn_run("gdn_chunked", qkv, ba, A_log, dt_bias, state, p, out);
+  gdn_run("gdn_chunked", qkv, ba, A_log, dt_bias, state, p, out, true);
 }
 
 void CudaBackend::gdn_gated_norm(const Tensor& o, const Tensor& z, const Tensor& weight, const GdnParams& p,
