@@ -3,7 +3,8 @@
 
     python scripts/train_ocr/smoke.py [--work /tmp/ocr-smoke] [--json result.json]
 
-1. the device-side pixel path equals ocria_rt.preprocess (transformers' processor) on a generated page;
+1. the device-side pixel path equals ocria_rt.preprocess (transformers' processor) on a generated page,
+   and train.py's batched vision attention equals transformers' per-image loop;
 2. train 6 steps in one run, and 3 + 3 steps with a resume in between (full checkpoints): the final
    weights must be identical (bit for bit);
 3. the same with compact checkpoints (BF16 weights, 8-bit moments): the resumed run goes on, close;
@@ -55,6 +56,26 @@ def check_pixels() -> float:
     return float(np.abs(pv.numpy() - ref_pv).max())
 
 
+def check_batched_vision_attention() -> float:
+    """train.py's batched vision attention for equal-length images equals transformers' per-image loop."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
+
+    cfg = mq.Qwen3_5VisionConfig(hidden_size=64, num_heads=4, depth=1)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    attn = mq.Qwen3_5VisionAttention(cfg).eval()
+    L, B, hd = 24, 3, 16
+    x = torch.randn(B * L, 64)
+    cu = torch.arange(0, (B + 1) * L, L, dtype=torch.int32)
+    ang = torch.randn(B * L, hd)
+    pe = (ang.cos(), ang.sin())
+    train.batch_equal_images_in_vision_attention()
+    with torch.no_grad():
+        ref = mq.Qwen3_5VisionAttention._per_image_forward(attn, x, cu, position_embeddings=pe)
+        got = attn(x, cu, position_embeddings=pe)
+    return float((got - ref).abs().max() / ref.abs().max())
+
+
 def check_batched_greedy(ckpt_dir: Path) -> dict:
     """Left-padded batched greedy decoding (what the training-time metric runs) equals one page at a time."""
     from transformers import Qwen3_5Config
@@ -102,6 +123,8 @@ def main() -> None:
     t0 = time.time()
 
     res["pixels_max_abs_diff_vs_preprocess"] = check_pixels()
+    res["batched_vision_attention_rel_err"] = check_batched_vision_attention()
+    print("batched vision attention vs per-image:", res["batched_vision_attention_rel_err"], flush=True)
     print("pixels:", res["pixels_max_abs_diff_vs_preprocess"], flush=True)
 
     n, half = args.steps, args.steps // 2
@@ -138,6 +161,7 @@ def main() -> None:
         res["check_export"] = "skipped: ocria_rt's compiled engine is not importable"
     res["seconds"] = round(time.time() - t0, 1)
     ok = (res["resume_full_max_weight_diff"] == 0.0 and res["batched_greedy"]["equal"]
+          and res["batched_vision_attention_rel_err"] < 1e-5
           and res["batched_greedy"]["step_logits_rel_err_max"] < 1e-4
           and res["pixels_max_abs_diff_vs_preprocess"] < 1e-5
           and (not isinstance(res["check_export"], dict)

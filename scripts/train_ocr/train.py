@@ -278,6 +278,36 @@ def gdn_self_check(model, device: torch.device, autocast: bool, tol: float = 0.0
     return {"gdn_kernels": f"{impl} ({fla_status()})", "rel_err_vs_torch": errs}
 
 
+def batch_equal_images_in_vision_attention() -> None:
+    """transformers' vision attention (SDPA / eager) runs one attention call per image, in a Python
+    loop: with 64 pages a step that is hundreds of small kernels and the step becomes CPU-bound.
+    Training batches hold pages of one size, so the images' patch sequences have equal lengths and
+    can go through one batched call: [1, heads, B*L, hd] -> [B, heads, L, hd]. Calls with unequal
+    lengths keep transformers' loop. Checked equal to it in smoke.py."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
+
+    cls = mq.Qwen3_5VisionAttention
+    if getattr(cls, "_batched_equal_images", False):
+        return
+    original = cls.forward
+
+    def forward(self, hidden_states, cu_seqlens, position_embeddings=None, max_seqlen=None, **kwargs):
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        if mq.is_flash_attention_requested(self.config) or lengths.numel() < 2 or bool((lengths != lengths[0]).any()):
+            return original(self, hidden_states, cu_seqlens, position_embeddings, max_seqlen, **kwargs)
+        n, L = hidden_states.shape[0], int(lengths[0])
+        q, k, v = self.qkv(hidden_states).reshape(n, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+        cos, sin = position_embeddings
+        q, k = mq.apply_rotary_pos_emb_vision(q, k, cos, sin)
+        q, k, v = (t.reshape(n // L, L, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))  # [B, heads, L, hd]
+        out = F.scaled_dot_product_attention(q, k, v, scale=self.scaling)
+        return self.proj(out.transpose(1, 2).reshape(n, -1))
+
+    cls.forward = forward
+    cls._batched_equal_images = True
+    cls._per_image_forward = original
+
+
 def gdn_implementation(fn) -> str:
     """The module of the function transformers' kernel wrapper calls (fla.* or transformers' own)."""
     import inspect
@@ -522,6 +552,7 @@ def main(argv=None) -> dict:
         with open(log_path, "a") as f:
             f.write(json.dumps(rec) + "\n")
 
+    batch_equal_images_in_vision_attention()
     gdn = gdn_self_check(model, device, autocast) if args.gdn == "auto" else {"gdn_kernels": "torch reference (forced)"}
     if args.gdn == "torch":
         from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
