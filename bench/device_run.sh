@@ -4,7 +4,7 @@
 #
 #   bench/device_run.sh OUT_DIR [tests|kernels|decode|vision|all ...]
 #
-# Extra benchmark arguments: DECODE_ARGS, VISION_ARGS, TEST_ARGS (pytest; default: the whole suite);
+# Extra benchmark arguments: DECODE_ARGS, VISION_ARGS, KERNELS_ARGS, TEST_ARGS (pytest; default: the whole suite);
 # build parallelism: CMAKE_BUILD_PARALLEL_LEVEL; OCRIA_RT_SKIP_BUILD=1 uses what an earlier run installed.
 #
 # Dependencies the machine lacks come as wheels in .wheels/ (nvidia-cutlass for the CUTLASS headers,
@@ -37,7 +37,7 @@ if has_step tests; then
   status=${PIPESTATUS[0]}
 fi
 if has_step kernels && [ -f bench/kernels.py ]; then
-  python3 bench/kernels.py "$OUT_DIR/kernels.json" 2>&1 | tee "$OUT_DIR/kernels.log" | tail -40
+  python3 bench/kernels.py "$OUT_DIR/kernels.json" ${KERNELS_ARGS:-} 2>&1 | tee "$OUT_DIR/kernels.log" | tail -40
 fi
 if has_step vision; then
   python3 bench/vision.py "$OUT_DIR/vision.json" --parse-pages 4 ${VISION_ARGS:-} 2>&1 | tee "$OUT_DIR/vision.log" | tail -16

@@ -154,6 +154,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10, help="graph replays per figure (median)")
     ap.add_argument("--skip-prefill", action="store_true",
                     help="skip the M = 8192 GEMMs and the attention prefill (and torch)")
+    ap.add_argument("--skip-linear", action="store_true", help="skip the linear layers (decode and prefill)")
     args = ap.parse_args()
 
     from ocria_rt import _core
@@ -169,7 +170,7 @@ def main() -> None:
 
     # ---- linear, M <= 16: weight streaming ----
     rows = []
-    for name, N, K in LINEAR_SHAPES:
+    for name, N, K in ([] if args.skip_linear else LINEAR_SHAPES):
         for M in DECODE_M:
             nbytes = 2 * (N * K + M * K + M * N)
             us = med(kb.linear(M, N, K, iters=iters_for(nbytes / bw), reps=args.reps))
@@ -188,7 +189,7 @@ def main() -> None:
     print(markdown_table(rows, ["shape", "M", "N", "K", "us", "TB/s", "of copy BW"]))
 
     # ---- linear, M = 8192: CUTLASS vs cuBLAS ----
-    if not args.skip_prefill:
+    if not args.skip_prefill and not args.skip_linear:
         rows = []
         for name, N, K in LINEAR_SHAPES:
             flops = 2 * PREFILL_M * N * K
