@@ -4,7 +4,7 @@
     python scripts/train_ocr/smoke.py [--work /tmp/ocr-smoke] [--json result.json]
 
 1. the device-side pixel path equals ocria_rt.preprocess (transformers' processor) on a generated page,
-   and train.py's batched vision attention equals transformers' per-image loop;
+   and train.py's batched vision attention and longer torch GDN chunks equal transformers' defaults;
 2. train 6 steps in one run, and 3 + 3 steps with a resume in between (full checkpoints): the final
    weights must be identical (bit for bit);
 3. the same with compact checkpoints (BF16 weights, 8-bit moments): the resumed run goes on, close;
@@ -76,6 +76,34 @@ def check_batched_vision_attention() -> float:
     return float((got - ref).abs().max() / ref.abs().max())
 
 
+def check_reference_chunk_size() -> float:
+    """transformers' torch Gated DeltaNet in chunks of 128 (train.py --gdn-chunk) equals its default 64:
+    outputs and input gradients, fp32, relative."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
+
+    saved = mq.torch_chunk_gated_delta_rule
+    g = torch.Generator().manual_seed(0)
+    B, T, H, D = 2, 300, 2, 32
+    q, k, v = (torch.randn(B, T, H, D, generator=g) for _ in range(3))
+    gate = -torch.nn.functional.softplus(torch.randn(B, T, H, generator=g))
+    beta = torch.rand(B, T, H, generator=g)
+
+    def run() -> list[torch.Tensor]:
+        xs = [t.clone().requires_grad_(True) for t in (q, k, v, gate, beta)]
+        out, _ = mq.torch_chunk_gated_delta_rule(*xs[:3], g=xs[3], beta=xs[4], use_qk_l2norm_in_kernel=True)
+        out.square().mean().backward()
+        return [out.detach()] + [x.grad for x in xs]
+
+    try:
+        train.use_reference_chunk_size(64)
+        ref = run()
+        train.use_reference_chunk_size(128)
+        got = run()
+    finally:
+        mq.torch_chunk_gated_delta_rule = saved
+    return max(float((a - b).norm() / b.norm()) for a, b in zip(got, ref))
+
+
 def check_batched_greedy(ckpt_dir: Path) -> dict:
     """Left-padded batched greedy decoding (what the training-time metric runs) equals one page at a time."""
     from transformers import Qwen3_5Config
@@ -125,6 +153,8 @@ def main() -> None:
     res["pixels_max_abs_diff_vs_preprocess"] = check_pixels()
     res["batched_vision_attention_rel_err"] = check_batched_vision_attention()
     print("batched vision attention vs per-image:", res["batched_vision_attention_rel_err"], flush=True)
+    res["gdn_chunk_128_vs_64_rel_err"] = check_reference_chunk_size()
+    print("torch GDN reference, chunks of 128 vs 64:", res["gdn_chunk_128_vs_64_rel_err"], flush=True)
     print("pixels:", res["pixels_max_abs_diff_vs_preprocess"], flush=True)
 
     n, half = args.steps, args.steps // 2
@@ -161,7 +191,7 @@ def main() -> None:
         res["check_export"] = "skipped: ocria_rt's compiled engine is not importable"
     res["seconds"] = round(time.time() - t0, 1)
     ok = (res["resume_full_max_weight_diff"] == 0.0 and res["batched_greedy"]["equal"]
-          and res["batched_vision_attention_rel_err"] < 1e-5
+          and res["batched_vision_attention_rel_err"] < 1e-5 and res["gdn_chunk_128_vs_64_rel_err"] < 1e-5
           and res["batched_greedy"]["step_logits_rel_err_max"] < 1e-4
           and res["pixels_max_abs_diff_vs_preprocess"] < 1e-5
           and (not isinstance(res["check_export"], dict)

@@ -278,6 +278,21 @@ def gdn_self_check(model, device: torch.device, autocast: bool, tol: float = 0.0
     return {"gdn_kernels": f"{impl} ({fla_status()})", "rel_err_vs_torch": errs}
 
 
+def use_reference_chunk_size(size: int) -> None:
+    """Makes transformers' torch Gated DeltaNet reference work in chunks of `size` tokens (its default
+    is 64). The chunked form is exact for any chunk size; longer chunks mean fewer iterations of its
+    Python loop over chunks (each a handful of small kernels, forward and backward), which is what made
+    training steps CPU-bound on the H200. Checked equal to the default in smoke.py."""
+    import functools
+
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
+
+    ref = mq.torch_chunk_gated_delta_rule
+    ref = getattr(ref, "func", ref)  # an earlier partial
+    ref = getattr(ref, "__wrapped__", ref)  # the hub-kernel wrapper
+    mq.torch_chunk_gated_delta_rule = functools.partial(ref, chunk_size=size)
+
+
 def batch_equal_images_in_vision_attention() -> None:
     """transformers' vision attention (SDPA / eager) runs one attention call per image, in a Python
     loop: with 64 pages a step that is hundreds of small kernels and the step becomes CPU-bound.
@@ -445,6 +460,8 @@ def parse_args(argv=None):
     ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
     ap.add_argument("--gdn", default="auto", choices=["auto", "torch"],
                     help="auto: flash-linear-attention when importable and it agrees with the torch reference")
+    ap.add_argument("--gdn-chunk", type=int, default=128,
+                    help="chunk length of transformers' torch Gated DeltaNet reference, when it is used (exact for any)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="profile this many steps (after 10 warm-up steps of the run) and print the top ops by GPU time")
@@ -560,6 +577,9 @@ def main(argv=None) -> dict:
         for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
             fn = getattr(mq, name)
             setattr(mq, name, getattr(fn, "__wrapped__", fn))
+    if gdn["gdn_kernels"].startswith("torch reference"):
+        use_reference_chunk_size(args.gdn_chunk)
+        gdn["gdn_chunk"] = args.gdn_chunk
     run_info = {"event": "start", "step": rs.step, "preset": preset, "params": n_params, "device": str(device),
                 **gdn, "resumed_from": str(resume) if resume else None,
                 "optimizer_tensors_restored": restored, "torch": torch.__version__,
