@@ -327,6 +327,7 @@ def gdn_implementation(fn) -> str:
     """The module of the function transformers' kernel wrapper calls (fla.* or transformers' own)."""
     import inspect
 
+    fn = getattr(fn, "func", fn)  # use_reference_chunk_size's partial
     try:
         impl = inspect.getclosurevars(fn).nonlocals.get("implementation", fn)
     except (TypeError, ValueError):
