@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One training run on a GPU machine without internet, in one call:
 #
-#   scripts/train_ocr/device_train.sh OUT_DIR MINUTES [RESUME_CKPT_DIR] [train.py options...]
+#   [GPUS=N] scripts/train_ocr/device_train.sh OUT_DIR MINUTES [RESUME_CKPT_DIR] [train.py options...]
 #
+#   GPUS             data-parallel ranks, one per GPU (default: all visible GPUs); more than 1 launches
+#                    train.py through torchrun (rank r takes global batches B + r, B + r + N, ...)
 #   OUT_DIR          where the run writes: log.jsonl (all runs so far), train.out (console),
 #                    ckpt/ (state.json, shard-NN.safetensors <= 15 MiB each, log.jsonl) -- 7 files
 #   MINUTES          the run's wall-clock budget (train.py --minutes); it stops early enough to evaluate
@@ -14,8 +16,8 @@
 # safetensors, numpy and Pillow must already be on the machine. A missing wheel is not fatal: without
 # fla transformers runs its torch reference (slower), without faker the generator uses its word lists.
 #
-# Example (the lead's device call, carrying the wheels and the previous checkpoint):
-#   run(command="scripts/train_ocr/device_train.sh $OUT/run 8.5 .ckpt/ckpt",
+# Example (the lead's device call on an nvidia-h200-x2 machine, carrying the wheels and the previous checkpoint):
+#   run(command="scripts/train_ocr/device_train.sh $OUT/run 8.5 .ckpt/ckpt", kind="nvidia-h200-x2",
 #       carry=[".wheels/fla_core-0.6.0-py3-none-any.whl", ".wheels/flash_linear_attention-0.6.0-py3-none-any.whl",
 #              ".wheels/faker-40.63.0-py3-none-any.whl", ".ckpt"])
 # then copy $OUT/run/ckpt back into .ckpt/ckpt for the next run (and keep $OUT/run/log.jsonl).
@@ -27,6 +29,8 @@ shift $(( $# < 3 ? $# : 3 ))
 cd "$(dirname "$0")/../.."
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# the machines need NVLink SHARP / multicast off (NCCL, torch symmetric memory, NVSHMEM)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 start=$(date +%s)
 
 wheels=$(ls .wheels/fla_core-*.whl .wheels/flash_linear_attention-*.whl .wheels/faker-*.whl 2>/dev/null)
@@ -52,6 +56,8 @@ for name, dist in (("torch", "torch"), ("transformers", "transformers"), ("token
 EOF
   echo "nproc $(nproc)"
 } > "$OUT_DIR/train.out" 2>&1
+GPUS=${GPUS:-$(python3 -c "import torch; print(max(1, torch.cuda.device_count()))" 2>/dev/null || echo 1)}
+echo "ranks (GPUS) $GPUS" >> "$OUT_DIR/train.out"
 cat "$OUT_DIR/train.out"
 
 args=(--out "$OUT_DIR" --minutes "$MINUTES")
@@ -59,7 +65,11 @@ if [ -n "$RESUME" ] && [ "$RESUME" != "-" ]; then
   if [ ! -f "$RESUME/state.json" ]; then echo "device_train: no checkpoint at $RESUME"; exit 2; fi
   args+=(--resume "$RESUME")
 fi
-python3 scripts/train_ocr/train.py "${args[@]}" "$@" 2>&1 | grep --line-buffered -v "falling back to its reference" \
+launch=(python3)
+if [ "$GPUS" -gt 1 ]; then
+  launch=(python3 -m torch.distributed.run --standalone --nproc_per_node "$GPUS")
+fi
+"${launch[@]}" scripts/train_ocr/train.py "${args[@]}" "$@" 2>&1 | grep --line-buffered -v "falling back to its reference" \
   | tee -a "$OUT_DIR/train.out"
 status=${PIPESTATUS[0]}
 echo "device_train: exit $status after $(( $(date +%s) - start )) s"

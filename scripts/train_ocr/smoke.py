@@ -8,15 +8,19 @@
 2. train 6 steps in one run, and 3 + 3 steps with a resume in between (full checkpoints): the final
    weights must be identical (bit for bit);
 3. the same with compact checkpoints (BF16 weights, 8-bit moments): the resumed run goes on, close;
-4. batched greedy decoding (left padding, the held-out metric's path) equals page-by-page decoding;
-5. export the checkpoint (HF directory) and check it in ocria_rt against transformers (export.check_export).
+4. data parallel: 2 ranks (torchrun, gloo) equal 1 rank that averages the gradients of the same 2 global
+   batches a step (--accum 2), also after each resumes the other's checkpoint;
+5. batched greedy decoding (left padding, the held-out metric's path) equals page-by-page decoding;
+6. export the checkpoint (HF directory) and check it in ocria_rt against transformers (export.check_export).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -104,6 +108,42 @@ def check_reference_chunk_size() -> float:
     return max(float((a - b).norm() / b.norm()) for a, b in zip(got, ref))
 
 
+def torchrun(nproc: int, argv: list[str]) -> None:
+    """train.py in `nproc` processes on this machine (gloo on CPU), launched as on the GPU machine."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           train.__file__, *argv]
+    r = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+
+
+def check_data_parallel(work: Path) -> dict:
+    """2 ranks (DDP: rank r takes global batches 2s + r at step s, gradients averaged) against 1 rank that
+    averages the gradients of batches 2s and 2s + 1 (--accum 2): 3 steps each, then each run resumes the
+    other's way for 2 more steps (the data position is one global counter). The 1-rank runs use one thread,
+    as torchrun's ranks do, so that their sums run in the same order."""
+    a, b = work / "ddp2", work / "accum2"
+    base = ["--smoke", "--ckpt-format", "full", "--workers", "1"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torchrun(2, [*base, "--out", str(a), "--max-steps", "3"])
+        train.main([*base, "--out", str(b), "--max-steps", "3", "--accum", "2"])
+        diff3 = max_diff(weights(a / "ckpt"), weights(b / "ckpt"))
+        train.main([*base, "--out", str(a), "--max-steps", "5", "--accum", "2"])
+        torchrun(2, [*base, "--out", str(b), "--max-steps", "5"])
+    finally:
+        torch.set_num_threads(threads)
+    runs = [ckpt.load(d / "ckpt")[0]["run"] for d in (a, b)]
+    la, lb = ([r["loss"] for r in log_lines(d / "log.jsonl", "train")] for d in (a, b))
+    return {"max_weight_diff_3_steps": diff3, "max_weight_diff_5_steps": max_diff(weights(a / "ckpt"), weights(b / "ckpt")),
+            "losses_ddp_first": la, "max_loss_diff": max(abs(x - y) for x, y in zip(la, lb)) if len(la) == len(lb) == 5 else None,
+            "batches": [r["batches"] for r in runs],
+            "counters_equal": all(runs[0][k] == runs[1][k] for k in ("batches", "pages", "tokens", "answer_tokens")),
+            "ranks_weights_equal": [r["ranks_weights_equal"] for d in (a, b) for r in log_lines(d / "log.jsonl", "end")
+                                    if "ranks_weights_equal" in r]}
+
+
 def check_batched_greedy(ckpt_dir: Path) -> dict:
     """Left-padded batched greedy decoding (what the training-time metric runs) equals one page at a time."""
     from transformers import Qwen3_5Config
@@ -179,6 +219,12 @@ def main() -> None:
     res["full_ckpt_bytes"] = sum(f.stat().st_size for f in (a / "ckpt").glob("shard-*"))
     print("compact resume: losses", lc, "max weight diff vs straight", res["resume_compact_max_weight_diff"], flush=True)
 
+    ddp = res["data_parallel"] = check_data_parallel(args.work)
+    print("data parallel, 2 ranks vs 1 rank accumulating:", json.dumps(ddp), flush=True)
+    ddp_ok = (ddp["max_weight_diff_3_steps"] <= 1e-6 and ddp["max_weight_diff_5_steps"] <= 1e-6
+              and ddp["max_loss_diff"] is not None and ddp["max_loss_diff"] <= 1e-5 and ddp["batches"] == [10, 10]
+              and ddp["counters_equal"] and ddp["ranks_weights_equal"] == [True, True])
+
     res["batched_greedy"] = check_batched_greedy(b / "ckpt")
     print("batched greedy:", res["batched_greedy"], flush=True)
 
@@ -190,7 +236,7 @@ def main() -> None:
     else:
         res["check_export"] = "skipped: ocria_rt's compiled engine is not importable"
     res["seconds"] = round(time.time() - t0, 1)
-    ok = (res["resume_full_max_weight_diff"] == 0.0 and res["batched_greedy"]["equal"]
+    ok = (res["resume_full_max_weight_diff"] == 0.0 and res["batched_greedy"]["equal"] and ddp_ok
           and res["batched_vision_attention_rel_err"] < 1e-5 and res["gdn_chunk_128_vs_64_rel_err"] < 1e-5
           and res["batched_greedy"]["step_logits_rel_err_max"] < 1e-4
           and res["pixels_max_abs_diff_vs_preprocess"] < 1e-5

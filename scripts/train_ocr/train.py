@@ -4,14 +4,15 @@
     python scripts/train_ocr/train.py --out runs/a --minutes 9            # a GPU run (resumes runs/a/ckpt)
     python scripts/train_ocr/train.py --out runs/b --resume runs/a/ckpt   # resume from another directory
     python scripts/train_ocr/train.py --out /tmp/smoke --smoke            # a few CPU steps of a tiny model
+    torchrun --standalone --nproc_per_node 4 scripts/train_ocr/train.py --out runs/a --minutes 9   # 4 GPUs
 
 Model: ``Qwen3_5ForConditionalGeneration`` of a preset size (common.PRESETS: a text decoder with the
 3:1 Gated DeltaNet : attention pattern, Qwen3.5's vision geometry: patch 16, temporal patch 2, merge 2),
 random init. The flash-linear-attention kernels are used by transformers when the `fla` package is
 importable; otherwise its torch reference path runs.
 
-Data: every step's batch is a pure function of (--data-seed, step): a page size and a text budget are
-drawn for the step, then pages ``page_seed("train", step * 64 + j, data_seed)`` are generated (never
+Data: every batch is a pure function of (--data-seed, batch number): a page size and a text budget are
+drawn for the batch, then pages ``page_seed("train", batch * 64 + j, data_seed)`` are generated (never
 held-out seeds) in DataLoader workers, tokenised as ``ocria_rt.chat.build_multimodal_prompt`` does
 (the package's chat template, image placeholder expanded), right-padded, with M-RoPE positions. The
 images travel as uint8 and are normalised and cut into patches on the device (as ocria_rt.preprocess:
@@ -21,7 +22,13 @@ page's Markdown and <|im_end|>).
 Optimisation: AdamW (betas 0.9/0.95, weight decay on matrices), linear warm-up then cosine decay to
 --min-lr-ratio at --total-steps (the plan over all runs), gradient clipping, BF16 autocast on CUDA.
 
-Runs are budgeted (--minutes): training stops early enough to evaluate and checkpoint. Checkpoints
+Data parallel (launched by torchrun, one process per GPU; NCCL, or gloo on CPU): rank r of W takes the
+global batch numbers B + r, B + r + W, ... (B: the checkpoint's batch counter), --accum of them per step,
+and DistributedDataParallel averages the gradients; so a step's global batch is W * --accum batches and a
+run may resume with another W. Rank 0 alone logs, evaluates and checkpoints (the others wait at a
+barrier); the ranks agree on when to stop, evaluate or checkpoint through one small all-reduce per step.
+
+Runs are budgeted (--minutes): training stops early enough to checkpoint and evaluate. Checkpoints
 (model, optimizer moments, schedule, step, RNG states, the run history) go to OUT/ckpt (ckpt.py);
 a run resumes from --resume, else from OUT/ckpt when it exists. OUT/log.jsonl gets a line every
 --log-every steps (loss, lr, throughput, data wait) and one per evaluation (CER and table-structure
@@ -32,6 +39,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import datetime
+import hashlib
 import json
 import math
 import os
@@ -44,10 +54,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# the GPU machines need NVLink SHARP / multicast off for NCCL and torch's symmetric memory
+for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ.setdefault(_k, _v)
 
 import common  # noqa: E402  (sets up the ocria_rt imports)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import ckpt  # noqa: E402
@@ -103,8 +117,8 @@ class DataSpec:
 
 
 def make_batch(spec: DataSpec, step: int, builder: PromptBuilder) -> dict:
-    """Fresh batch number `step` (the training step's number unless --reuse > 1): uint8 images,
-    right-padded ids / labels / M-RoPE positions."""
+    """Batch number `step` of the run's global count (the step's number for one rank without --reuse or
+    --accum): uint8 images, right-padded ids / labels / M-RoPE positions."""
     size, max_chars, n = spec.step_plan(step, len(builder.prompt_ids))
     cfg = spec.page_config(size=size, max_chars=max_chars)
     w, h = size
@@ -139,20 +153,26 @@ def make_batch(spec: DataSpec, step: int, builder: PromptBuilder) -> dict:
 
 
 class StepBatches(torch.utils.data.IterableDataset):
-    """Batches of steps start, start + 1, ...: worker w makes steps start + w + k * workers, and the
-    DataLoader hands them out round-robin, so batches arrive in step order."""
+    """Batches number start, start + stride, start + 2 * stride, ...: worker w makes the (w + k * workers)-th,
+    and the DataLoader hands them out round-robin, so they arrive in that order."""
 
-    def __init__(self, spec: DataSpec, start: int, tok_dir: str) -> None:
-        self.spec, self.start, self.tok_dir = spec, start, tok_dir
+    def __init__(self, spec: DataSpec, start: int, stride: int, tok_dir: str) -> None:
+        self.spec, self.start, self.stride, self.tok_dir = spec, start, stride, tok_dir
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         wid, nw = (info.id, info.num_workers) if info else (0, 1)
         builder = PromptBuilder(Path(self.tok_dir))
-        s = self.start + wid
+        k = wid
         while True:
-            yield make_batch(self.spec, s, builder)
-            s += nw
+            yield make_batch(self.spec, self.start + k * self.stride, builder)
+            k += nw
+
+
+def ignore_sigterm(worker_id: int) -> None:  # noqa: ARG001 - DataLoader's worker_init_fn
+    """torchrun's shutdown (and a timeout) sends SIGTERM to the whole process group: the workers leave it to
+    the training process, which stops at an agreed step, checkpoints, then shuts them down."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def pixels_on_device(images: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,6 +220,24 @@ def build_model(config, attn: str):
     config.text_config.use_cache = False
     model = Qwen3_5ForConditionalGeneration(config)
     return model
+
+
+class AnswerLoss(torch.nn.Module):
+    """The training forward: cross-entropy on the answer tokens, the LM head applied at those positions only
+    (never at image or prompt positions). One module, so that DistributedDataParallel wraps the whole of it."""
+
+    def __init__(self, model, autocast: bool) -> None:
+        super().__init__()
+        self.model, self.autocast = model, autocast
+
+    def forward(self, ids, labels, pos, pv, grid):
+        with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            hidden = self.model.model(input_ids=ids, pixel_values=pv, image_grid_thw=grid, position_ids=pos,
+                                      use_cache=False).last_hidden_state
+            tgt = labels[:, 1:]
+            sel = tgt != -100
+            logits = self.model.lm_head(hidden[:, :-1][sel])
+        return F.cross_entropy(logits.float(), tgt[sel])
 
 
 def make_optimizer(model: torch.nn.Module, sched: Schedule, weight_decay: float, device: torch.device):
@@ -412,7 +450,7 @@ def evaluate(model, builder, pages, device, autocast: bool, batch: int, max_new:
 @dataclass
 class RunState:
     step: int = 0
-    batches: int = 0  # fresh batches consumed (= step unless --reuse > 1)
+    batches: int = 0  # fresh batches consumed by all ranks (= step * ranks * accum unless --reuse > 1)
     pages: int = 0
     tokens: int = 0
     answer_tokens: int = 0
@@ -446,9 +484,11 @@ def parse_args(argv=None):
     ap.add_argument("--reuse", type=int, default=1,
                     help="steps per fresh batch: the others replay one of the last --replay-batches (when data-bound)")
     ap.add_argument("--replay-batches", type=int, default=8)
+    ap.add_argument("--accum", type=int, default=1,
+                    help="fresh batches per rank per step, their gradients averaged (a step's global batch: ranks * accum)")
     ap.add_argument("--data-seed", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0, help="model initialisation")
-    ap.add_argument("--workers", type=int, default=-1, help="DataLoader workers (-1: CPUs - 1)")
+    ap.add_argument("--workers", type=int, default=-1, help="DataLoader workers per rank (-1: CPUs / ranks - 1)")
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--eval-every-minutes", type=float, default=4.0)
     ap.add_argument("--eval-pages", type=int, default=8)
@@ -485,11 +525,36 @@ def parse_args(argv=None):
     return args
 
 
+def all_sum(values: list[float], device: torch.device) -> list[float]:
+    """Sums over the ranks (the values themselves in a single process)."""
+    if not dist.is_initialized():
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     t_start = time.perf_counter()
     deadline = t_start + args.minutes * 60 if args.minutes > 0 else math.inf
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    lead = rank == 0  # logs, evaluates and checkpoints
+    if world > 1:  # launched by torchrun: one process per GPU
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+        # generous: the other ranks wait in a barrier while rank 0 evaluates (about a minute) or checkpoints
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=30),
+                                device_id=device if device.type == "cuda" else None)
     autocast = device.type == "cuda"
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -527,7 +592,7 @@ def main(argv=None) -> dict:
             spec.batch_tokens = args.batch_tokens
         rs = RunState(**{"batches": saved["run"]["step"], **saved["run"]})
         preset = saved.get("preset", "?")
-        if log_path.resolve() != (Path(resume) / "log.jsonl").resolve() and (Path(resume) / "log.jsonl").exists():
+        if lead and log_path.resolve() != (Path(resume) / "log.jsonl").resolve() and (Path(resume) / "log.jsonl").exists():
             if not log_path.exists() or log_path.stat().st_size == 0:
                 log_path.write_bytes((Path(resume) / "log.jsonl").read_bytes())
     else:
@@ -542,7 +607,7 @@ def main(argv=None) -> dict:
         rs = RunState()
         preset = args.preset
         saved, tensors = None, None
-        if args.fresh and log_path.exists():
+        if lead and args.fresh and log_path.exists():
             log_path.unlink()
 
     builder = PromptBuilder(tok_dir)
@@ -566,6 +631,8 @@ def main(argv=None) -> dict:
         restored = 0
 
     def log(rec: dict) -> None:
+        if not lead:
+            return
         rec = {"time": round(time.time(), 1), **rec}
         with open(log_path, "a") as f:
             f.write(json.dumps(rec) + "\n")
@@ -582,6 +649,7 @@ def main(argv=None) -> dict:
         use_reference_chunk_size(args.gdn_chunk)
         gdn["gdn_chunk"] = args.gdn_chunk
     run_info = {"event": "start", "step": rs.step, "preset": preset, "params": n_params, "device": str(device),
+                "ranks": world, "accum": args.accum,
                 **gdn, "resumed_from": str(resume) if resume else None,
                 "optimizer_tensors_restored": restored, "torch": torch.__version__,
                 "transformers": transformers.__version__, "schedule": asdict(sched), "data": asdict(spec),
@@ -589,16 +657,22 @@ def main(argv=None) -> dict:
     if device.type == "cuda":
         run_info["gpu"] = torch.cuda.get_device_name()
     log(run_info)
-    print(json.dumps({k: v for k, v in run_info.items() if k not in ("data",)}), flush=True)
+    if lead:
+        print(json.dumps({k: v for k, v in run_info.items() if k not in ("data",)}), flush=True)
 
     # ---- held-out pages for the metric (same page distribution as training) ----
     eval_pages = list(synthdoc.iter_dataset("heldout", args.eval_pages, args.eval_seed,
-                                            spec.page_config(max_chars=spec.chars[1]))) if args.eval_pages else []
+                                            spec.page_config(max_chars=spec.chars[1]))) if args.eval_pages and lead else []
 
-    workers = (os.cpu_count() or 2) - 1 if args.workers < 0 else args.workers
+    # rank r of W: the global batch numbers rs.batches + r + k * W, in order
+    workers = max(0, (os.cpu_count() or 2) // world - 1) if args.workers < 0 else args.workers
     loader = torch.utils.data.DataLoader(
-        StepBatches(spec, rs.batches, str(tok_dir)), batch_size=None, num_workers=workers,
-        pin_memory=device.type == "cuda", prefetch_factor=2 if workers else None, persistent_workers=False)
+        StepBatches(spec, rs.batches + rank, world, str(tok_dir)), batch_size=None, num_workers=workers,
+        pin_memory=device.type == "cuda", prefetch_factor=2 if workers else None, persistent_workers=False,
+        worker_init_fn=ignore_sigterm)
+    forward = AnswerLoss(model, autocast)
+    if world > 1:  # averages the gradients over the ranks during backward
+        forward = torch.nn.parallel.DistributedDataParallel(forward, device_ids=[device.index] if device.type == "cuda" else None)
 
     def save_ckpt(reason: str) -> float:
         t0 = time.perf_counter()
@@ -633,6 +707,13 @@ def main(argv=None) -> dict:
               f"{r['tables_exact']}/{r['tables']}, {r['seconds']:.1f} s", flush=True)
         return r["seconds"]
 
+    def on_rank0(fn) -> float:
+        """fn() (evaluate or checkpoint: returns its seconds) on rank 0 while the other ranks wait."""
+        seconds = fn() if lead else 0.0
+        if world > 1:
+            dist.barrier()
+        return seconds
+
     stop = {"flag": False}
 
     def on_signal(signum, frame):  # noqa: ARG001
@@ -649,7 +730,22 @@ def main(argv=None) -> dict:
     it = iter(loader)
     run_t0 = time.perf_counter()
     profiler = None
-    while True:
+
+    def agree(stats: list[float]) -> tuple[list[float], bool, bool, bool]:
+        """Sums a step's stats over the ranks and decides, the same on every rank, what comes before the next
+        step: stop (a signal on any rank, --max-steps, rank 0's clock), evaluate, checkpoint (rank 0's clock)."""
+        now = time.perf_counter()
+        halt = stop["flag"] or bool(args.max_steps and rs.step >= args.max_steps)
+        eval_due = ckpt_due = False
+        if lead:
+            halt = halt or now + eval_cost + ckpt_cost + 20.0 > deadline
+            eval_due = now - last_eval > args.eval_every_minutes * 60 and rs.step > start_step
+            ckpt_due = now - last_ckpt > args.ckpt_every_minutes * 60 and rs.step > start_step
+        *sums, halt, eval_due, ckpt_due = all_sum([*stats, float(halt), float(eval_due), float(ckpt_due)], device)
+        return sums, halt > 0, eval_due > 0, ckpt_due > 0
+
+    _, halt, eval_due, ckpt_due = agree([])
+    while not halt:
         if args.profile_steps and rs.step == start_step + 10:
             profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
                                               + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []))
@@ -657,59 +753,55 @@ def main(argv=None) -> dict:
         if profiler is not None and rs.step == start_step + 10 + args.profile_steps:
             profiler.__exit__(None, None, None)
             sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-            print(f"profile of {args.profile_steps} steps:\n" + profiler.key_averages().table(sort_by=sort, row_limit=30),
-                  flush=True)
+            if lead:
+                print(f"profile of {args.profile_steps} steps:\n" + profiler.key_averages().table(sort_by=sort, row_limit=30),
+                      flush=True)
             profiler = None
-        if args.max_steps and rs.step >= args.max_steps:
-            break
-        if stop["flag"]:
-            break
-        now = time.perf_counter()
-        if now + eval_cost + ckpt_cost + 20.0 > deadline:
-            break
-        if now - last_eval > args.eval_every_minutes * 60 and rs.step > start_step:
-            eval_cost = max(run_eval(), 1.0)
+        if eval_due:
+            eval_cost = max(on_rank0(run_eval), 1.0)
             last_eval = time.perf_counter()
-        if now - last_ckpt > args.ckpt_every_minutes * 60 and rs.step > start_step:
-            ckpt_cost = max(save_ckpt("periodic"), 1.0)
+        if ckpt_due:
+            ckpt_cost = max(on_rank0(lambda: save_ckpt("periodic")), 1.0)
             last_ckpt = time.perf_counter()
 
         t0 = time.perf_counter()
-        if args.reuse > 1 and rs.step % args.reuse and replay:  # a recent batch again (data-bound runs)
-            batch = replay[random.Random(f"replay:{spec.seed}:{rs.step}").randrange(len(replay))]
+        if args.reuse > 1 and rs.step % args.reuse and replay:  # recent batches again (data-bound runs)
+            group = replay[random.Random(f"replay:{spec.seed}:{rs.step}").randrange(len(replay))]
         else:
-            batch = next(it)
-            assert batch["step"] == rs.batches, (batch["step"], rs.batches)
-            rs.batches += 1
+            group = []
+            for _ in range(args.accum):
+                batch = next(it)
+                assert batch["step"] == rs.batches + rank, (batch["step"], rs.batches + rank)
+                rs.batches += world
+                group.append(batch)
             if args.reuse > 1:
-                replay.append(batch)
+                replay.append(group)
         win["wait"] += time.perf_counter() - t0
         lr = sched.at(rs.step)
         for g in opt.param_groups:
             g["lr"] = lr
-        ids = batch["input_ids"].to(device, non_blocking=True)
-        labels = batch["labels"].to(device, non_blocking=True)
-        pos = batch["position_ids"].to(device, non_blocking=True)
-        pv, grid = pixels_on_device(batch["images"], device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            hidden = model.model(input_ids=ids, pixel_values=pv, image_grid_thw=grid, position_ids=pos,
-                                 use_cache=False).last_hidden_state
-            tgt = labels[:, 1:]
-            sel = tgt != -100
-            logits = model.lm_head(hidden[:, :-1][sel])
-        loss = F.cross_entropy(logits.float(), tgt[sel])
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        parts = []
+        for i, batch in enumerate(group):
+            ids, labels, pos = (batch[k].to(device, non_blocking=True) for k in ("input_ids", "labels", "position_ids"))
+            pv, grid = pixels_on_device(batch["images"], device)
+            # the ranks average their gradients once, in the group's last backward
+            with forward.no_sync() if world > 1 and i + 1 < len(group) else contextlib.nullcontext():
+                part = forward(ids, labels, pos, pv, grid) / len(group)
+                part.backward()
+            parts.append(part.detach())
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
         rs.step += 1
-        rs.pages += batch["pages"]
-        rs.tokens += batch["tokens"]
-        rs.answer_tokens += batch["answer_tokens"]
-        win["tok"] += batch["tokens"]
-        win["ans"] += batch["answer_tokens"]
-        win["pages"] += batch["pages"]
-        win["loss"] += float(loss.detach())
+        stats = [float(sum(parts))] + [sum(b[k] for b in group) for k in ("pages", "tokens", "answer_tokens")]
+        (loss_sum, pages, tokens, answers), halt, eval_due, ckpt_due = agree(stats)
+        rs.pages += int(pages)
+        rs.tokens += int(tokens)
+        rs.answer_tokens += int(answers)
+        win["tok"] += tokens
+        win["ans"] += answers
+        win["pages"] += pages
+        win["loss"] += loss_sum / world
         win["n"] += 1
         if rs.step % args.log_every == 0 or rs.step == 1:
             dt = time.perf_counter() - win["t"]
@@ -721,27 +813,35 @@ def main(argv=None) -> dict:
             if device.type == "cuda":
                 rec["max_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
             log(rec)
-            print(json.dumps(rec), flush=True)
+            if lead:
+                print(json.dumps(rec), flush=True)
             win = {"t": time.perf_counter(), "tok": 0, "ans": 0, "pages": 0, "wait": 0.0, "loss": 0.0, "n": 0}
     rs.train_seconds += time.perf_counter() - run_t0
     steps = rs.step - start_step
-    final = {}
-    if steps > 0:
-        run_eval()
     rs.runs.append({"from_step": start_step, "to_step": rs.step, "seconds": round(time.perf_counter() - t_start, 1),
-                    "device": str(device)})
+                    "device": str(device), "ranks": world})
+    # the checkpoint first: under torchrun a SIGTERM leaves 30 s before the kill
     if steps > 0 or resume is None:
-        save_ckpt("end")
+        on_rank0(lambda: save_ckpt("end"))
+    if steps > 0:
+        on_rank0(run_eval)
     elapsed = time.perf_counter() - t_start
     final = {"event": "end", "step": rs.step, "steps_this_run": steps, "seconds": round(elapsed, 1),
              "steps_per_s": round(steps / max(1e-9, time.perf_counter() - run_t0), 3)}
+    if world > 1:  # the replicas must have stayed equal, bit for bit
+        digests = [None] * world
+        dist.all_gather_object(digests, weights_digest(model))
+        final["ranks_weights_equal"] = len(set(digests)) == 1
     log(final)
-    if (ckpt_dir / "state.json").exists():  # the checkpoint carries the whole log, this run's end included
+    if lead and (ckpt_dir / "state.json").exists():  # the checkpoint carries the whole log, this run's end included
         import shutil
 
         shutil.copyfile(log_path, ckpt_dir / "log.jsonl")
-    print(json.dumps(final), flush=True)
+    if lead:
+        print(json.dumps(final), flush=True)
     del it, loader
+    if world > 1:
+        dist.destroy_process_group()
     return {"model": model, "final": final, "run": rs}
 
 
