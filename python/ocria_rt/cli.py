@@ -69,19 +69,28 @@ def _write_atomic(path: str, text: str) -> str:
     return tmp
 
 
+def _check_output_path(path: str) -> None:
+    """Raises FileError unless `path` can be written: its directory exists and it is not a directory."""
+    import os
+
+    from .errors import FileError
+
+    d = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(d):
+        raise FileError(f"output directory '{d}' does not exist (for '{path}')")
+    if os.path.isdir(path):
+        raise FileError(f"output '{path}' is a directory")
+
+
 def _parse(args: argparse.Namespace) -> int:
     import os
 
     from .errors import FileError, InvalidArgumentError
     from .pipeline import parse, parse_page_spec
 
-    outputs = [o for o in (args.output, args.json) if o not in (None, "-")]
-    for out in outputs:  # fail before the model runs, not after
-        d = os.path.dirname(os.path.abspath(out))
-        if not os.path.isdir(d):
-            raise FileError(f"output directory '{d}' does not exist (for '{out}')")
-        if os.path.isdir(out):
-            raise FileError(f"output '{out}' is a directory")
+    for out in (args.output, args.json):  # fail before the model runs, not after
+        if out not in (None, "-"):
+            _check_output_path(out)
     if args.output and args.json and args.output != "-" and os.path.abspath(args.output) == os.path.abspath(args.json):
         raise InvalidArgumentError("-o and --json name the same file")
     parse_page_spec(args.pages)  # a bad --pages is a usage error before anything runs
@@ -148,12 +157,10 @@ def _eval(args: argparse.Namespace) -> int:
 
     import os
 
-    from .errors import FileError
-
     if args.pages < 1:
         raise InvalidArgumentError(f"--pages must be at least 1, got {args.pages}")
-    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        raise FileError(f"output directory of '{args.json}' does not exist")
+    if args.json:
+        _check_output_path(args.json)
     eng = Engine(args.model or default_vlm_dir(), device=args.device, num_threads=args.threads)
     if not eng.config.get("has_vision"):
         raise InvalidArgumentError(f"model '{eng.model_dir}' has no vision encoder: eval needs a VLM")
