@@ -49,7 +49,7 @@ import random
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -478,9 +478,15 @@ def parse_args(argv=None):
     ap.add_argument("--batch-tokens", type=int, default=None,
                     help="padded tokens per fresh batch (default 65536; a resumed run keeps its own unless given)")
     ap.add_argument("--max-seq", type=int, default=4096)
-    ap.add_argument("--chars", type=int, nargs=2, default=(400, 4000), metavar=("LO", "HI"))
-    ap.add_argument("--long-side", type=int, nargs=2, default=(768, 1024), metavar=("LO", "HI"))
-    ap.add_argument("--curriculum-steps", type=int, default=2000)
+    # the page distribution: defaults for a fresh run; given to a resumed run, they replace its own
+    ap.add_argument("--chars", type=int, nargs=2, default=None, metavar=("LO", "HI"),
+                    help="Markdown characters per page (default 400 4000)")
+    ap.add_argument("--long-side", type=int, nargs=2, default=None, metavar=("LO", "HI"),
+                    help="page long side in pixels (default 768 1024)")
+    ap.add_argument("--body-px", type=int, nargs=2, default=None, metavar=("LO", "HI"),
+                    help="body font size at a long side of 1024 (default 13 19)")
+    ap.add_argument("--curriculum-steps", type=int, default=None,
+                    help="ramp the character budget's upper end over these batches (default 2000)")
     ap.add_argument("--reuse", type=int, default=1,
                     help="steps per fresh batch: the others replay one of the last --replay-batches (when data-bound)")
     ap.add_argument("--replay-batches", type=int, default=8)
@@ -600,8 +606,7 @@ def main(argv=None) -> dict:
         tok = common.load_tokenizer(tok_dir)
         config = common.model_config(args.preset, tok.get_vocab_size(), common.token_ids(tok), max_positions=args.max_seq * 2)
         spec = DataSpec(seed=args.data_seed, batch_tokens=args.batch_tokens or 65536, max_seq=args.max_seq,
-                        long_side=tuple(args.long_side), chars=tuple(args.chars),
-                        curriculum_steps=args.curriculum_steps)
+                        curriculum_steps=2000)
         sched = Schedule(lr=args.lr or 1.5e-3, warmup=args.warmup, total_steps=args.total_steps or 30000,
                          min_lr_ratio=0.05 if args.min_lr_ratio is None else args.min_lr_ratio)
         rs = RunState()
@@ -609,6 +614,10 @@ def main(argv=None) -> dict:
         saved, tensors = None, None
         if lead and args.fresh and log_path.exists():
             log_path.unlink()
+    for field in ("chars", "long_side", "body_px", "curriculum_steps"):
+        value = getattr(args, field)
+        if value is not None:
+            setattr(spec, field, tuple(value) if isinstance(value, (list, tuple)) else value)
 
     builder = PromptBuilder(tok_dir)
     torch.manual_seed(args.seed)
@@ -660,9 +669,10 @@ def main(argv=None) -> dict:
     if lead:
         print(json.dumps({k: v for k, v in run_info.items() if k not in ("data",)}), flush=True)
 
-    # ---- held-out pages for the metric (same page distribution as training) ----
+    # ---- held-out pages for the metric: the run's page sizes and text lengths, the target's font sizes ----
+    eval_spec = replace(spec, body_px=DataSpec.body_px)
     eval_pages = list(synthdoc.iter_dataset("heldout", args.eval_pages, args.eval_seed,
-                                            spec.page_config(max_chars=spec.chars[1]))) if args.eval_pages and lead else []
+                                            eval_spec.page_config(max_chars=spec.chars[1]))) if args.eval_pages and lead else []
 
     # rank r of W: the global batch numbers rs.batches + r + k * W, in order
     workers = max(0, (os.cpu_count() or 2) // world - 1) if args.workers < 0 else args.workers
