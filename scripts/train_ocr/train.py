@@ -49,7 +49,7 @@ import random
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -455,6 +455,7 @@ class RunState:
     tokens: int = 0
     answer_tokens: int = 0
     train_seconds: float = 0.0
+    skipped_steps: int = 0  # steps whose gradient was not finite (the optimizer skipped them)
     runs: list = field(default_factory=list)
 
 
@@ -475,6 +476,8 @@ def parse_args(argv=None):
     ap.add_argument("--min-lr-ratio", type=float, default=None, help="final LR / peak (default 0.05)")
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--clip", type=float, default=1.0)
+    ap.add_argument("--max-bad-steps", type=int, default=10,
+                    help="stop with an error (no checkpoint) after this many non-finite gradients in a row")
     ap.add_argument("--batch-tokens", type=int, default=None,
                     help="padded tokens per fresh batch (default 65536; a resumed run keeps its own unless given)")
     ap.add_argument("--max-seq", type=int, default=4096)
@@ -669,10 +672,9 @@ def main(argv=None) -> dict:
     if lead:
         print(json.dumps({k: v for k, v in run_info.items() if k not in ("data",)}), flush=True)
 
-    # ---- held-out pages for the metric: the run's page sizes and text lengths, the target's font sizes ----
-    eval_spec = replace(spec, body_px=DataSpec.body_px)
+    # ---- held-out pages for the metric (the run's page distribution, named in each eval record) ----
     eval_pages = list(synthdoc.iter_dataset("heldout", args.eval_pages, args.eval_seed,
-                                            eval_spec.page_config(max_chars=spec.chars[1]))) if args.eval_pages and lead else []
+                                            spec.page_config(max_chars=spec.chars[1]))) if args.eval_pages and lead else []
 
     # rank r of W: the global batch numbers rs.batches + r + k * W, in order
     workers = max(0, (os.cpu_count() or 2) // world - 1) if args.workers < 0 else args.workers
@@ -686,6 +688,9 @@ def main(argv=None) -> dict:
 
     def save_ckpt(reason: str) -> float:
         t0 = time.perf_counter()
+        bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
+        if bad:
+            raise RuntimeError(f"not saving a checkpoint at step {rs.step}: non-finite weights in {bad[:3]}")
         state = {
             "preset": preset, "model_config": config.to_dict(), "schedule": asdict(sched), "data": asdict(spec),
             "run": asdict(rs), "rng": rng_state(),
@@ -712,7 +717,8 @@ def main(argv=None) -> dict:
             log({"event": "eval_error", "step": rs.step, "error": msg})
             print(f"eval failed at step {rs.step}: {msg}", flush=True)
             return time.perf_counter() - t0
-        log({"event": "eval", "step": rs.step, **r})
+        log({"event": "eval", "step": rs.step, **r, "long_side": list(spec.long_side), "body_px": list(spec.body_px),
+             "chars": spec.chars[1]})
         print(f"eval step {rs.step}: cer {r['cer']:.4f} (micro {r['cer_micro']:.4f}), tables "
               f"{r['tables_exact']}/{r['tables']}, {r['seconds']:.1f} s", flush=True)
         return r["seconds"]
@@ -734,7 +740,9 @@ def main(argv=None) -> dict:
 
     eval_cost, ckpt_cost = (30.0 if device.type == "cuda" else 5.0), 5.0
     last_eval = last_ckpt = time.perf_counter()
-    win = {"t": time.perf_counter(), "tok": 0, "ans": 0, "pages": 0, "wait": 0.0, "loss": 0.0, "n": 0}
+    win = {"t": time.perf_counter(), "tok": 0, "ans": 0, "pages": 0, "wait": 0.0, "loss": 0.0, "n": 0,
+           "step0": rs.step}
+    bad_in_a_row = 0
     start_step = rs.step
     replay: collections.deque = collections.deque(maxlen=max(1, args.replay_batches))
     it = iter(loader)
@@ -801,7 +809,17 @@ def main(argv=None) -> dict:
                 part.backward()
             parts.append(part.detach())
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        opt.step()
+        # the ranks hold the same averaged gradient, so they agree on skipping a non-finite one
+        if torch.isfinite(gnorm):
+            opt.step()
+            bad_in_a_row = 0
+        else:
+            rs.skipped_steps += 1
+            bad_in_a_row += 1
+            log({"event": "skipped", "step": rs.step, "grad_norm": str(float(gnorm)), "in_a_row": bad_in_a_row})
+            if bad_in_a_row >= args.max_bad_steps:
+                raise RuntimeError(f"training diverged: {bad_in_a_row} non-finite gradients in a row up to step "
+                                   f"{rs.step}; no checkpoint written (the last one is left as it was)")
         rs.step += 1
         stats = [float(sum(parts))] + [sum(b[k] for b in group) for k in ("pages", "tokens", "answer_tokens")]
         (loss_sum, pages, tokens, answers), halt, eval_due, ckpt_due = agree(stats)
@@ -811,21 +829,23 @@ def main(argv=None) -> dict:
         win["tok"] += tokens
         win["ans"] += answers
         win["pages"] += pages
-        win["loss"] += loss_sum / world
-        win["n"] += 1
+        if math.isfinite(loss_sum):
+            win["loss"] += loss_sum / world
+            win["n"] += 1
         if rs.step % args.log_every == 0 or rs.step == 1:
             dt = time.perf_counter() - win["t"]
-            rec = {"event": "train", "step": rs.step, "loss": round(win["loss"] / win["n"], 5), "lr": lr,
+            rec = {"event": "train", "step": rs.step, "loss": round(win["loss"] / win["n"], 5) if win["n"] else None, "lr": lr,
                    "grad_norm": round(float(gnorm), 4), "tokens_per_s": round(win["tok"] / dt),
                    "answer_tokens_per_s": round(win["ans"] / dt), "pages_per_s": round(win["pages"] / dt, 2),
-                   "steps_per_s": round(win["n"] / dt, 3), "data_wait_frac": round(win["wait"] / dt, 3),
+                   "steps_per_s": round((rs.step - win["step0"]) / dt, 3), "data_wait_frac": round(win["wait"] / dt, 3),
                    "batch_pages": batch["pages"], "seq_len": int(ids.shape[1]), "image_hw": list(batch["images"].shape[1:3])}
             if device.type == "cuda":
                 rec["max_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
             log(rec)
             if lead:
                 print(json.dumps(rec), flush=True)
-            win = {"t": time.perf_counter(), "tok": 0, "ans": 0, "pages": 0, "wait": 0.0, "loss": 0.0, "n": 0}
+            win = {"t": time.perf_counter(), "tok": 0, "ans": 0, "pages": 0, "wait": 0.0, "loss": 0.0, "n": 0,
+                   "step0": rs.step}
     rs.train_seconds += time.perf_counter() - run_t0
     steps = rs.step - start_step
     rs.runs.append({"from_step": start_step, "to_step": rs.step, "seconds": round(time.perf_counter() - t_start, 1),
