@@ -510,8 +510,9 @@ def parse_args(argv=None):
     ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
     ap.add_argument("--gdn", default="auto", choices=["auto", "torch"],
                     help="auto: flash-linear-attention when importable and it agrees with the torch reference")
-    ap.add_argument("--gdn-chunk", type=int, default=128,
-                    help="chunk length of transformers' torch Gated DeltaNet reference, when it is used (exact for any)")
+    ap.add_argument("--gdn-chunk", type=int, default=64,
+                    help="chunk length of transformers' torch Gated DeltaNet reference, when it is used (128 overflows: "
+                         "the inverse of the chunk's unit-triangular system grows like 2^chunk)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="profile this many steps (after 10 warm-up steps of the run) and print the top ops by GPU time")
