@@ -437,3 +437,17 @@ def test_gather_blend_add(cpu, gpu, R, N, D, pad_rows, pad_cols, f32_table):
     assert relerr(got[:N, :D], want[:N, :D]) <= OUT_TOL
     assert np.isnan(got[N:]).all() and np.isnan(got[:, D:]).all()
 
+
+@pytest.mark.parametrize("N,D", [(4100, 1100), (2, 4_300_001)])
+def test_upload_rounds_f32_to_bf16_on_device(gpu, N, D):
+    """copy_from_host of F32 data into a BF16 tensor rounds on the device, chunk by chunk through the
+    workspace (more than one 16 MiB staging chunk here; the second shape splits rows into column
+    pieces): bit for bit the host's round-to-nearest-even, inf and NaN kept. Read back through
+    gather_blend_add with zero weights (x + 0)."""
+    rng = np.random.default_rng(N + D)
+    x = (rng.standard_normal((N, D)) * 100).astype(np.float32)  # not BF16 values: every one rounds
+    x[0, :5] = [np.inf, -np.inf, 3.4e38, np.nan, 1.0 + 2.0**-8]  # 3.4e38 rounds to inf; a tie rounds to even
+    x[-1, -3:] = np.nan
+    table = np.zeros((1, D), np.float32)
+    got = gpu.gather_blend_add(table, np.zeros((N, 1), np.int32), np.zeros((N, 1), np.float32), x, N, D)
+    np.testing.assert_array_equal(got, bf16(x))
