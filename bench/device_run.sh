@@ -40,7 +40,7 @@ if has_step kernels && [ -f bench/kernels.py ]; then
   python3 bench/kernels.py "$OUT_DIR/kernels.json" ${KERNELS_ARGS:-} 2>&1 | tee "$OUT_DIR/kernels.log" | tail -40
 fi
 if has_step vision; then
-  python3 bench/vision.py "$OUT_DIR/vision.json" --parse-pages 4 ${VISION_ARGS:-} 2>&1 | tee "$OUT_DIR/vision.log" | tail -16
+  python3 bench/vision.py "$OUT_DIR/vision.json" --parse-pages 4 ${VISION_ARGS:-} 2>&1 | tee "$OUT_DIR/vision.log" | tail -20
   # the CLI on the same real-size random VLM and PDF (left by --parse-pages in the bench's workdir)
   python3 -m ocria_rt parse /tmp/ocria-bench/pages.pdf --model /tmp/ocria-bench/ocria1-4b-parse --device cuda \
     --max-new-tokens 200 -o "$OUT_DIR/parse.md" --json "$OUT_DIR/parse.json" --progress 2>&1 | tail -3

@@ -5,6 +5,12 @@ transformers (+ flash-linear-attention) on the same random BF16 weights, in the 
     python bench/vision.py OUT.json [--new-tokens 1000] [--peer-tokens 32] [--no-peer] [--reps 3]
                                     [--parse-pages 4]
 
+Ours also gets a breakdown of one encode_images call (`ours.vision_breakdown`), from a torch.profiler
+(CUPTI) trace: the GPU's kernel and copy time inside the call, the host time before the GPU starts
+and after it finishes, and the kernels that take longest. encode_images takes host fp32 pixels (the
+public API has no device input), so the host's share is measured rather than removed; the peer is
+timed with its pixels already on the GPU.
+
 The peer's pages/s is extrapolated from its prefill time and its decode rate over --peer-tokens
 cached steps (generating 1,000 tokens with it would take minutes); ours is measured whole.
 --parse-pages N also runs the whole pipeline, `ocria_rt.parse`, on an N-page generated PDF with the
@@ -73,8 +79,69 @@ def bench_ours(model_dir: Path, ids: list[int], pv, grid, new_tokens: int, reps:
         e2e.append(time.perf_counter() - t0)
         prefill.append(r.prefill_seconds)
         decode.append(r.decode_tokens_per_second)
-    return {"vision_ms": 1e3 * statistics.median(vision), "prefill_ms": 1e3 * statistics.median(prefill),
-            "decode_tokens_per_s": statistics.median(decode), "page_s": statistics.median(e2e)}
+    out = {"vision_ms": 1e3 * statistics.median(vision), "prefill_ms": 1e3 * statistics.median(prefill),
+           "decode_tokens_per_s": statistics.median(decode), "page_s": statistics.median(e2e)}
+    try:
+        out["vision_breakdown"] = vision_breakdown(eng, pv, grid, reps)
+    except Exception as e:  # the breakdown is diagnostic: a profiler failure must not lose the timings
+        out["vision_breakdown"] = {"error": f"{type(e).__name__}: {e}"}
+    return out
+
+
+def vision_breakdown(eng, pv, grid, reps: int) -> dict:
+    """Medians over `reps` profiled encode_images calls (CUPTI records the engine's kernels and copies
+    like torch's own): wall_ms of the call (with profiler overhead), gpu_busy_ms (union of the GPU's
+    kernel and copy intervals), host_ms = wall - busy (index work, staging the pixels, launches,
+    reading the output into numpy), host_before_gpu_ms / host_after_gpu_ms (before the first and
+    after the last GPU activity), kernel_ms, h2d_ms, d2h_ms, kernels (count), and top_kernels (the
+    longest kernels by name, ms per call)."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            with record_function("ocria_encode_images"):
+                eng.encode_images(pv, grid)
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        return breakdown_from_trace(json.loads(trace.read_text())["traceEvents"], "ocria_encode_images")
+
+
+def breakdown_from_trace(trace_events: list[dict], annotation: str) -> dict:
+    """vision_breakdown's figures from a Chrome trace's events (times in microseconds)."""
+    events = [e for e in trace_events if e.get("ph") == "X" and "dur" in e]
+    calls = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
+                   if e.get("cat") == "user_annotation" and e.get("name") == annotation)
+    gpu = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e.get("cat"), e.get("name", ""))
+                 for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    per_call, kernel_ms = [], {}
+    for t0, t1 in calls:
+        mine = [g for g in gpu if t0 <= g[0] <= t1]
+        if not mine:
+            continue
+        busy, end = 0.0, t0
+        for a, b, _, _ in mine:  # union of the intervals, in start order
+            busy += max(0.0, b - max(a, end))
+            end = max(end, b)
+        kernel = [b - a for a, b, cat, _ in mine if cat == "kernel"]
+        h2d = [b - a for a, b, cat, name in mine if cat == "gpu_memcpy" and "HtoD" in name]
+        d2h = [b - a for a, b, cat, name in mine if cat == "gpu_memcpy" and "DtoH" in name]
+        per_call.append({
+            "wall_ms": (t1 - t0) / 1e3, "gpu_busy_ms": busy / 1e3, "host_ms": (t1 - t0 - busy) / 1e3,
+            "host_before_gpu_ms": (mine[0][0] - t0) / 1e3, "host_after_gpu_ms": (t1 - end) / 1e3,
+            "kernel_ms": sum(kernel) / 1e3, "h2d_ms": sum(h2d) / 1e3, "d2h_ms": sum(d2h) / 1e3, "kernels": len(kernel),
+        })
+        for a, b, cat, name in mine:
+            if cat == "kernel":
+                kernel_ms[name] = kernel_ms.get(name, 0.0) + (b - a) / 1e3
+    if not per_call:
+        return {"error": f"no GPU activity recorded inside the {len(calls)} profiled calls"}
+    out = {k: statistics.median(c[k] for c in per_call) for k in per_call[0]}
+    top = sorted(kernel_ms.items(), key=lambda kv: -kv[1])[:8]
+    out["top_kernels"] = [{"name": name[:120], "ms": ms / len(per_call)} for name, ms in top]
+    return out
 
 
 def bench_peer(model_dir: Path, ids: list[int], pv, grid, new_tokens: int, peer_tokens: int) -> dict:
@@ -207,6 +274,15 @@ def main() -> int:
           f"{n_image} image tokens, {len(ids)} prompt tokens; {args.new_tokens} new tokens per page; OCRia-1 shapes, "
           "random BF16 weights")
     print(markdown_table(rows, ["engine", "vision ms/page", "prefill ms (vision + tokens)", "decode tok/s", "pages/s"]))
+    b = result["ours"].get("vision_breakdown", {})
+    if "error" in b:
+        print(f"\nocria_rt vision breakdown unavailable: {b['error']}")
+    elif b:
+        print(f"\nocria_rt encode_images, profiled: {b['wall_ms']:.1f} ms = host {b['host_ms']:.1f} "
+              f"({b['host_before_gpu_ms']:.1f} before the GPU starts, {b['host_after_gpu_ms']:.1f} after it ends) + GPU busy "
+              f"{b['gpu_busy_ms']:.1f} (kernels {b['kernel_ms']:.1f} in {b['kernels']:.0f}, H2D {b['h2d_ms']:.1f}, "
+              f"D2H {b['d2h_ms']:.1f})")
+        print("top kernels (ms per call): " + "; ".join(f"{k['name'][:48]} {k['ms']:.2f}" for k in b["top_kernels"][:5]))
     if "parse" in result:
         r = result["parse"]
         print(f"\nocria_rt.parse, {r['pages']}-page PDF, up to {args.new_tokens} tokens per page:")

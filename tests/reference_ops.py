@@ -115,6 +115,11 @@ def gelu(x, tanh_approximation):
     return 0.5 * x * (1 + np.vectorize(erf)(x / sqrt(2)))
 
 
+def gather_blend_add(table, rows, weights, x):
+    """x[n] + sum_k weights[n, k] * table[rows[n, k]]."""
+    return x.astype(np.float64) + np.einsum("nk,nkd->nd", weights.astype(np.float64), table.astype(np.float64)[rows])
+
+
 def vision_attention(qkv, patch_pos, cu_seqlens, heads, theta):
     N = qkv.shape[0]
     hd = qkv.shape[1] // (3 * heads)

@@ -135,6 +135,23 @@ def test_layer_norm_and_gelu(cpu):
         assert relerr(cpu.gelu(x, tanh), ref.gelu(x, tanh)) <= TOL
 
 
+@pytest.mark.parametrize("R,N,D,K", [(16, 1, 8, 4), (49, 37, 33, 4), (9, 20, 64, 3)])
+def test_gather_blend_add(cpu, R, N, D, K):
+    """Updates x's top-left [N, D] block (a row-strided view) only; rows repeat across and within patches."""
+    rng = np.random.default_rng(R + N + D)
+    table = randn(rng, R, D)
+    rows = rng.integers(0, R, (N, K)).astype(np.int32)
+    rows[::3, -1] = rows[::3, 0]
+    rows[1::4] = rows[0]
+    weights = rng.uniform(0, 1, (N, K)).astype(np.float32)
+    x = np.full((N + 2, D + 3), np.nan, np.float32)
+    x[:N, :D] = randn(rng, N, D)
+    got = cpu.gather_blend_add(table, rows, weights, x, N, D)
+    assert relerr(got[:N, :D], ref.gather_blend_add(table, rows, weights, x[:N, :D])) <= TOL
+    np.testing.assert_array_equal(got[N:], x[N:])
+    np.testing.assert_array_equal(got[:, D:], x[:, D:])
+
+
 @pytest.mark.parametrize("heads,hd,lengths", [(2, 16, [8, 12]), (3, 32, [20]), (1, 64, [4, 16, 8])])
 def test_vision_attention(cpu, heads, hd, lengths):
     rng = np.random.default_rng(heads * hd)

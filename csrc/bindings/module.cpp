@@ -68,12 +68,15 @@ SamplingParams make_params(int64_t max_new_tokens, float temperature, int64_t to
 using FloatArray = py::array_t<float, py::array::c_style | py::array::forcecast>;
 using IntArray = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 
+// The batch borrows the pixels' memory, which must outlive it: a float32 C-contiguous array comes
+// through the argument cast as it is, so the pixels are not copied on their way to the engine.
 ImageBatch to_images(const FloatArray& pixel_values, const IntArray& grid_thw) {
   if (pixel_values.ndim() != 2) throw Error(ErrorCode::kInvalidArgument, "pixel_values must be 2-D [patches, patch_dim]");
   if (grid_thw.ndim() != 2 || grid_thw.shape(1) != 3)
     throw Error(ErrorCode::kInvalidArgument, "image_grid_thw must be [images, 3]");
   ImageBatch b;
-  b.pixel_values.assign(pixel_values.data(), pixel_values.data() + pixel_values.size());
+  b.pixel_values = pixel_values.data();
+  b.pixel_count = int64_t(pixel_values.size());
   for (py::ssize_t i = 0; i < grid_thw.shape(0); ++i)
     b.grid_thw.push_back({grid_thw.at(i, 0), grid_thw.at(i, 1), grid_thw.at(i, 2)});
   return b;
@@ -84,6 +87,13 @@ std::optional<ImageBatch> maybe_images(const std::optional<FloatArray>& pixel_va
     throw Error(ErrorCode::kInvalidArgument, "pixel_values and image_grid_thw must be given together");
   if (!pixel_values) return std::nullopt;
   return to_images(*pixel_values, *grid_thw);
+}
+
+// A [rows, cols] array that takes over v's memory instead of copying it.
+py::array_t<float> to_array(std::vector<float>&& v, int64_t rows, int64_t cols) {
+  auto* owned = new std::vector<float>(std::move(v));
+  py::capsule free_when_done(owned, [](void* p) { delete static_cast<std::vector<float>*>(p); });
+  return py::array_t<float>({rows, cols}, owned->data(), free_when_done);
 }
 
 }  // namespace
@@ -140,10 +150,7 @@ PYBIND11_MODULE(_core, m) {
           py::gil_scoped_release release;
           logits = e.score(ids, chunk, images ? &*images : nullptr);
         }
-        const int64_t V = e.config().vocab_size;
-        py::array_t<float> out({int64_t(ids.size()), V});
-        std::copy(logits.begin(), logits.end(), out.mutable_data());
-        return out;
+        return to_array(std::move(logits), int64_t(ids.size()), e.config().vocab_size);
       }, py::arg("token_ids"), py::arg("chunk") = 0, py::arg("pixel_values") = py::none(),
          py::arg("image_grid_thw") = py::none())
       .def("start", [](Engine& e, const std::vector<int32_t>& ids, int64_t max_new_tokens, float temperature, int64_t top_k,
@@ -169,10 +176,8 @@ PYBIND11_MODULE(_core, m) {
           py::gil_scoped_release release;
           out = e.encode_images(images);
         }
-        const int64_t H = e.config().hidden_size;
-        py::array_t<float> arr({int64_t(out.size()) / H, H});
-        std::copy(out.begin(), out.end(), arr.mutable_data());
-        return arr;
+        const int64_t H = e.config().hidden_size, rows = int64_t(out.size()) / H;
+        return to_array(std::move(out), rows, H);
       }, py::arg("pixel_values"), py::arg("image_grid_thw"))
       .def("generate", [](Engine& e, const std::vector<int32_t>& ids, int64_t max_new_tokens, float temperature, int64_t top_k,
                           float top_p, uint64_t seed, std::vector<int32_t> stop, std::optional<FloatArray> pixel_values,

@@ -156,6 +156,16 @@ void register_op_runner(py::module_& m) {
         r.be().gelu(r.upload(x, r.act()), out, tanh_approximation);
         return r.download(out);
       })
+      .def("gather_blend_add", [](OpRunner& r, F32Array table, I32Array rows, F32Array weights, F32Array x, int64_t n,
+                                  int64_t d, bool f32_table) {
+        // x [R, C] is updated in its top-left [n, d] block, a row-strided view: the rest must come
+        // back as it went in. The table is F32 (as the vision encoder keeps it) or the activation dtype.
+        Tensor xt = r.upload(x, r.act());
+        r.be().gather_blend_add(r.upload(table, f32_table ? DType::F32 : r.act()), r.upload_i32(rows),
+                                r.upload(weights, DType::F32), xt.rows(0, n).cols(0, d));
+        return r.download(xt);
+      }, py::arg("table"), py::arg("rows"), py::arg("weights"), py::arg("x"), py::arg("n"), py::arg("d"),
+         py::arg("f32_table") = true)
       .def("vision_attention", [](OpRunner& r, F32Array qkv, I32Array patch_pos, I32Array cu_seqlens, int64_t heads,
                                   float theta) {
         Tensor out = r.poisoned({qkv.shape(0), qkv.shape(1) / 3}, r.act());

@@ -151,7 +151,7 @@ class EngineImpl final : public Engine {
   double last_prefill_seconds() const override { return prefill_seconds_; }
 
   std::vector<float> encode_images(const ImageBatch& images) override {
-    Tensor out = vision_->encode(images.pixel_values.data(), checked_grids(images));
+    Tensor out = vision_->encode(images.pixel_values, checked_grids(images));
     std::vector<float> host(size_t(out.numel()));
     backend_->copy_to_host(host.data(), out);
     return host;
@@ -187,8 +187,9 @@ class EngineImpl final : public Engine {
       grids.push_back({g[0], g[1], g[2]});
       patches += g[0] * g[1] * g[2];
     }
-    if (int64_t(images.pixel_values.size()) != patches * v.patch_dim())
-      throw Error(ErrorCode::kInvalidArgument, "images: pixel_values holds " + std::to_string(images.pixel_values.size()) +
+    if (!images.pixel_values) throw Error(ErrorCode::kInvalidArgument, "images: pixel_values is null");
+    if (images.pixel_count != patches * v.patch_dim())
+      throw Error(ErrorCode::kInvalidArgument, "images: pixel_values holds " + std::to_string(images.pixel_count) +
                                                    " values but the grids need " + std::to_string(patches) + " patches x " +
                                                    std::to_string(v.patch_dim()));
     return grids;
@@ -207,7 +208,7 @@ class EngineImpl final : public Engine {
     if (images) {
       const std::vector<ImageGrid> grids = checked_grids(*images);
       rope = mrope_positions(tokens, config_.image_token_id, grids, config_.vision.spatial_merge_size, &delta);
-      features = vision_->encode(images->pixel_values.data(), grids);
+      features = vision_->encode(images->pixel_values, grids);
     } else {
       if (config_.has_vision && std::find(tokens.begin(), tokens.end(), config_.image_token_id) != tokens.end())
         throw Error(ErrorCode::kInvalidArgument, "the tokens hold image tokens (id " + std::to_string(config_.image_token_id) +

@@ -2,7 +2,6 @@
 
 #include <cmath>
 
-#include "core/float_convert.h"
 #include "model/weight_loader.h"
 
 namespace ocria_rt {
@@ -22,9 +21,7 @@ Qwen35Vision::Qwen35Vision(const ModelConfig& config, const Checkpoint& ck, Back
   be_.copy_from_host(patch_embed_.weight, pw.data, pw.dtype);
   patch_embed_.bias = w.load("patch_embed.proj.bias", {D}, f32);
 
-  const TensorRecord& pe = ck.require("model.visual.pos_embed.weight", {v.num_position_embeddings, D});
-  pos_table_.resize(size_t(v.num_position_embeddings * D));
-  convert_to_f32(pe.data, pe.dtype, pos_table_.data(), v.num_position_embeddings * D);
+  pos_table_ = w.load("pos_embed.weight", {v.num_position_embeddings, D}, f32);
 
   for (int64_t i = 0; i < v.depth; ++i) {
     const std::string p = "blocks." + std::to_string(i) + ".";
@@ -55,7 +52,8 @@ Qwen35Vision::Qwen35Vision(const ModelConfig& config, const Checkpoint& ck, Back
   mlp_ = work.alloc(act, {P, I});
   merged_ = work.alloc(act, {P / v.merge_unit(), M});
   out_ = work.alloc(act, {P / v.merge_unit(), v.out_hidden_size});
-  pos_add_ = work.alloc(act, {P, D});
+  tap_rows_ = work.alloc(DType::I32, {P, 4});
+  tap_weights_ = work.alloc(f32, {P, 4});
   patch_pos_ = work.alloc(DType::I32, {P, 2});
   cu_seqlens_ = work.alloc(DType::I32, {P / v.merge_unit() + 1});
 }
@@ -73,29 +71,25 @@ Tensor Qwen35Vision::encode(const float* pixel_values, const std::vector<ImageGr
                                                std::to_string(max_patches_) + " this engine was sized for (max_image_patches)");
   const int64_t images = int64_t(cu.size()) - 1;
 
-  // Host-side index work: patch positions and the resampled position embedding of every patch.
+  // Host-side index work: the patch positions and each patch's 4 bilinear taps into the position
+  // table, which gather_blend_add resamples on the device.
   std::vector<int32_t> rows;
   std::vector<float> weights;
   vision_position_interpolation(grids, side, v.spatial_merge_size, rows, weights);
-  std::vector<float> pos_add(size_t(N * D), 0.0f);
-  for (int64_t n = 0; n < N; ++n)
-    for (int k = 0; k < 4; ++k) {
-      const float wk = weights[n * 4 + k];
-      const float* src = &pos_table_[size_t(rows[n * 4 + k]) * D];
-      for (int64_t d = 0; d < D; ++d) pos_add[n * D + d] += wk * src[d];
-    }
   const std::vector<int32_t> patch_pos = vision_patch_positions(grids, v.spatial_merge_size);
 
   Tensor pixels = pixels_.rows(0, N), x = x_.rows(0, N), normed = normed_.rows(0, N), qkv = qkv_.rows(0, N);
-  Tensor attn = attn_.rows(0, N), delta = delta_.rows(0, N), mlp = mlp_.rows(0, N), pos = pos_add_.rows(0, N);
+  Tensor attn = attn_.rows(0, N), delta = delta_.rows(0, N), mlp = mlp_.rows(0, N);
+  Tensor tap_rows = tap_rows_.rows(0, N), tap_weights = tap_weights_.rows(0, N);
   Tensor ppos = patch_pos_.rows(0, N), cu_t = cu_seqlens_.rows(0, images + 1);
   be_.copy_from_host(pixels, pixel_values, DType::F32);
-  be_.copy_from_host(pos, pos_add.data(), DType::F32);
+  be_.copy_from_host(tap_rows, rows.data(), DType::I32);
+  be_.copy_from_host(tap_weights, weights.data(), DType::F32);
   be_.copy_from_host(ppos, patch_pos.data(), DType::I32);
   be_.copy_from_host(cu_t, cu.data(), DType::I32);
 
   be_.linear(pixels, patch_embed_, x);
-  be_.add(x, pos);
+  be_.gather_blend_add(pos_table_, tap_rows, tap_weights, x);
   const float eps = 1e-6f;
   for (const Block& b : blocks_) {
     be_.layer_norm(x, b.norm1_w, b.norm1_b, normed, eps);

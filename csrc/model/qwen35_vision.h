@@ -36,12 +36,12 @@ class Qwen35Vision {
   Backend& be_;
   int64_t max_patches_;
   LinearWeight patch_embed_;
-  std::vector<float> pos_table_;  // host copy [num_position_embeddings, hidden] for the resampling
+  Tensor pos_table_;  // F32 [num_position_embeddings, hidden], resampled per patch by gather_blend_add
   std::vector<Block> blocks_;
   Tensor merger_norm_w_, merger_norm_b_;
   LinearWeight merger_fc1_, merger_fc2_;
   // workspace
-  Tensor pixels_, x_, normed_, qkv_, attn_, delta_, mlp_, merged_, out_, pos_add_, patch_pos_, cu_seqlens_;
+  Tensor pixels_, x_, normed_, qkv_, attn_, delta_, mlp_, merged_, out_, tap_rows_, tap_weights_, patch_pos_, cu_seqlens_;
 };
 
 }  // namespace ocria_rt

@@ -166,6 +166,13 @@ class Backend {
   // out = gelu(x): the tanh approximation (gelu_pytorch_tanh) or the exact erf form.
   virtual void gelu(const Tensor& x, const Tensor& out, bool tanh_approximation) = 0;
 
+  // x[n, :] += sum_k weights[n, k] * table[rows[n, k], :] (the bilinear resampling of the learned
+  // position table, 4 taps per patch). rows I32 [N, K] (each in [0, table rows)) and weights F32
+  // [N, K], both contiguous; table [R, D] F32 or the activation dtype; x [N, D] the activation dtype
+  // (dimension 0 may be strided). The sum runs in fp32 from 0 in k order and is added to x with one
+  // rounding to x's dtype.
+  virtual void gather_blend_add(const Tensor& table, const Tensor& rows, const Tensor& weights, const Tensor& x) = 0;
+
   // Bidirectional attention inside each image. qkv [N, 3*H*hd] = q | k | v (head-major); images
   // are the row ranges cu_seqlens[i] .. cu_seqlens[i+1] (I32 [images + 1]). q and k first get 2-D
   // RoPE over the whole head (rotate-half pairs (i, i + hd/2)): pair i < hd/4 turns by

@@ -29,9 +29,11 @@ struct EngineOptions {
 };
 
 // Images as the image processor emits them (ocria_rt.preprocess_image, or transformers'
-// Qwen2VLImageProcessor): patches in spatial-merge-window order.
+// Qwen2VLImageProcessor): patches in spatial-merge-window order. The pixels are borrowed, not
+// copied: they must stay valid during the call that the batch is passed to.
 struct ImageBatch {
-  std::vector<float> pixel_values;               // [sum of t*h*w, channels * temporal_patch * patch^2]
+  const float* pixel_values = nullptr;           // row-major [sum of t*h*w, channels * temporal_patch * patch^2]
+  int64_t pixel_count = 0;                       // floats at pixel_values
   std::vector<std::array<int64_t, 3>> grid_thw;  // per image: (t, h, w) in patches
 };
 

@@ -411,3 +411,43 @@ def test_vision_attention(cpu, gpu, heads, hd, lengths):
     pos = rng.integers(0, 60, (N, 2)).astype(np.int32)
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     assert relerr(gpu.vision_attention(qkv, pos, cu, heads, 10000.0), cpu.vision_attention(qkv, pos, cu, heads, 10000.0)) <= OUT_TOL
+
+
+# (R table rows, N patches, D, pad rows, pad cols of x): the OCRia-1 page (2,304-row table, 4,480
+# patches, D 1024) and odd sizes; D % 8 != 0 takes the scalar path, the others 16-byte vectors.
+BLEND_CASES = [(2304, 4480, 1024, 3, 8), (49, 37, 33, 2, 5), (16, 1, 8, 1, 0), (100, 301, 1000, 0, 24)]
+
+
+@pytest.mark.parametrize("R,N,D,pad_rows,pad_cols", BLEND_CASES)
+@pytest.mark.parametrize("f32_table", [True, False])
+def test_gather_blend_add(cpu, gpu, R, N, D, pad_rows, pad_cols, f32_table):
+    """The position-embedding blend (4 taps per row, rows repeated across and within patches) into
+    the top-left [N, D] block of a NaN-poisoned x: the block against the CPU, the rest untouched."""
+    rng = np.random.default_rng(R + N + D + f32_table)
+    table = randn(rng, R, D, scale=0.5)
+    rows = rng.integers(0, R, (N, 4)).astype(np.int32)
+    rows[::3, 1] = rows[::3, 0]
+    rows[1::4] = rows[0]
+    weights = rng.uniform(0, 1, (N, 4)).astype(np.float32)
+    weights /= weights.sum(1, keepdims=True)
+    x = np.full((N + pad_rows, D + pad_cols), np.nan, np.float32)
+    x[:N, :D] = randn(rng, N, D)
+    got = gpu.gather_blend_add(table, rows, weights, x, N, D, f32_table)
+    want = cpu.gather_blend_add(table, rows, weights, x, N, D)
+    assert relerr(got[:N, :D], want[:N, :D]) <= OUT_TOL
+    assert np.isnan(got[N:]).all() and np.isnan(got[:, D:]).all()
+
+
+@pytest.mark.parametrize("N,D", [(4100, 1100), (2, 4_300_001)])
+def test_upload_rounds_f32_to_bf16_on_device(gpu, N, D):
+    """copy_from_host of F32 data into a BF16 tensor rounds on the device, chunk by chunk through the
+    workspace (more than one 16 MiB staging chunk here; the second shape splits rows into column
+    pieces): bit for bit the host's round-to-nearest-even, inf and NaN kept. Read back through
+    gather_blend_add with zero weights (x + 0)."""
+    rng = np.random.default_rng(N + D)
+    x = (rng.standard_normal((N, D)) * 100).astype(np.float32)  # not BF16 values: every one rounds
+    x[0, :5] = [np.inf, -np.inf, 3.4e38, np.nan, 1.0 + 2.0**-8]  # 3.4e38 rounds to inf; a tie rounds to even
+    x[-1, -3:] = np.nan
+    table = np.zeros((1, D), np.float32)
+    got = gpu.gather_blend_add(table, np.zeros((N, 1), np.int32), np.zeros((N, 1), np.float32), x, N, D)
+    np.testing.assert_array_equal(got, bf16(x))

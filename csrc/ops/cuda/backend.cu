@@ -207,6 +207,17 @@ void CudaBackend::release(void* ptr) {
   cudaGetLastError();
 }
 
+namespace {
+// dst[r * ldd + c] = bf16(src[r * cols + c]) for r < rows, c < cols: the device half of an F32 -> BF16
+// copy_from_host (round to nearest even, as the host conversion).
+__global__ void f32_to_bf16_kernel(const float* __restrict__ src, int64_t rows, int64_t cols, cuda::bf16* __restrict__ dst,
+                                   int64_t ldd) {
+  const int64_t n = rows * cols;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    dst[(i / cols) * ldd + i % cols] = __float2bfloat16_rn(src[i]);
+}
+}  // namespace
+
 void CudaBackend::copy_from_host(const Tensor& dst, const void* src, DType src_dtype) {
   OCRIA_RT_REQUIRE(dst.device == DeviceKind::CUDA, "copy_from_host", "dst is not a CUDA tensor");
   if (dst.numel() == 0) return;
@@ -215,10 +226,16 @@ void CudaBackend::copy_from_host(const Tensor& dst, const void* src, DType src_d
   activate();
   const RowLayout L = row_layout(dst);
   const size_t esz = dtype_size(dst.dtype), src_esz = dtype_size(src_dtype);
-  const size_t row_bytes = size_t(L.row_elems) * esz;
+  // F32 data for a BF16 tensor (activations such as image pixels, fp32 checkpoints) crosses the bus
+  // as it is, into the op workspace, and a kernel rounds it into dst: the host only copies into the
+  // staging buffer. Other conversions happen on the host while staging.
+  const bool device_convert = src_dtype == DType::F32 && dst.dtype == DType::BF16;
+  const DType staged = device_convert ? DType::F32 : dst.dtype;
+  const size_t staged_esz = dtype_size(staged);
   // Rows that do not fit a staging half are split into column pieces.
-  const int64_t piece_elems = std::min<int64_t>(L.row_elems, int64_t(kStagingBytes / esz));
-  const int64_t rows_per_chunk = piece_elems < L.row_elems ? 1 : std::max<int64_t>(1, kStagingBytes / row_bytes);
+  const int64_t piece_elems = std::min<int64_t>(L.row_elems, int64_t(kStagingBytes / staged_esz));
+  const int64_t rows_per_chunk =
+      piece_elems < L.row_elems ? 1 : std::max<int64_t>(1, kStagingBytes / (size_t(L.row_elems) * staged_esz));
   int buf = 0;
   for (int64_t r0 = 0; r0 < L.rows; r0 += rows_per_chunk) {
     const int64_t nr = std::min(rows_per_chunk, L.rows - r0);
@@ -226,14 +243,27 @@ void CudaBackend::copy_from_host(const Tensor& dst, const void* src, DType src_d
       const int64_t nc = std::min(piece_elems, L.row_elems - c0);
       check_cuda(cudaEventSynchronize(staging_done_[buf]), "cudaEventSynchronize (copy_from_host)");
       for (int64_t r = 0; r < nr; ++r)
-        convert_host(static_cast<char*>(staging_[buf]) + size_t(r * nc) * esz, dst.dtype,
+        convert_host(static_cast<char*>(staging_[buf]) + size_t(r * nc) * staged_esz, staged,
                      static_cast<const char*>(src) + size_t((r0 + r) * L.row_elems + c0) * src_esz, src_dtype,
                      size_t(nc));
       char* d = static_cast<char*>(dst.data) + size_t(r0 * L.stride + c0) * esz;
-      check_cuda(cudaMemcpy2DAsync(d, size_t(L.stride) * esz, staging_[buf], size_t(nc) * esz, size_t(nc) * esz,
-                                   size_t(nr), cudaMemcpyHostToDevice, stream_),
-                 "cudaMemcpy2DAsync (copy_from_host)");
-      check_cuda(cudaEventRecord(staging_done_[buf], stream_), "cudaEventRecord (copy_from_host)");
+      if (device_convert) {
+        // The workspace holds one chunk at a time: the stream runs the next chunk's copy into it
+        // only after this chunk's kernel has read it.
+        const size_t bytes = size_t(nr * nc) * staged_esz;
+        check_cuda(cudaMemcpyAsync(workspace_, staging_[buf], bytes, cudaMemcpyHostToDevice, stream_),
+                   "cudaMemcpyAsync (copy_from_host)");
+        check_cuda(cudaEventRecord(staging_done_[buf], stream_), "cudaEventRecord (copy_from_host)");
+        const int64_t blocks = std::min<int64_t>((nr * nc + 255) / 256, int64_t(sm_count_) * 16);
+        f32_to_bf16_kernel<<<unsigned(blocks), 256, 0, stream_>>>(static_cast<const float*>(workspace_), nr, nc,
+                                                                  reinterpret_cast<cuda::bf16*>(d), L.stride);
+        cuda::check_launch("f32_to_bf16_kernel (copy_from_host)");
+      } else {
+        check_cuda(cudaMemcpy2DAsync(d, size_t(L.stride) * esz, staging_[buf], size_t(nc) * esz, size_t(nc) * esz,
+                                     size_t(nr), cudaMemcpyHostToDevice, stream_),
+                   "cudaMemcpy2DAsync (copy_from_host)");
+        check_cuda(cudaEventRecord(staging_done_[buf], stream_), "cudaEventRecord (copy_from_host)");
+      }
       buf ^= 1;
     }
   }

@@ -21,8 +21,8 @@
 //    weights, constants.
 // pdl_wait() returns once the predecessor has completed and its memory is visible; since that
 // predecessor only completed after its own wait returned, everything earlier has completed too.
-// Weights handed to ops must therefore never be written by kernels (they are uploaded with
-// copy_from_host, which synchronises). Kernels launched the ordinary way (prefill-only kernels,
+// Weights handed to ops must therefore never be written by ops' kernels (they are uploaded with
+// copy_from_host, which synchronises before returning). Kernels launched the ordinary way (prefill-only kernels,
 // CUTLASS) wait for all earlier work as usual. OCRIA_RT_PDL=0 in the environment, read when a
 // backend is constructed, launches everything the ordinary way (pdl_wait() and
 // pdl_launch_dependents() are then no-ops), for comparison and debugging.
@@ -215,6 +215,7 @@ class CudaBackend final : public Backend {
   void sample(const Tensor& logits, const SamplerConfig& config, const Tensor& step, const Tensor& tokens) override;
   void layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out, float eps) override;
   void gelu(const Tensor& x, const Tensor& out, bool tanh_approximation) override;
+  void gather_blend_add(const Tensor& table, const Tensor& rows, const Tensor& weights, const Tensor& x) override;
   void vision_attention(const Tensor& qkv, const Tensor& patch_pos, const Tensor& cu_seqlens, int64_t num_heads,
                         float rope_theta, const Tensor& out) override;
   void increment(const Tensor& counter, int32_t by) override;
@@ -245,9 +246,11 @@ class CudaBackend final : public Backend {
   // every earlier kernel has completed.
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
-  // Pinned staging for host copies: two halves, so that converting one chunk on the host overlaps
-  // the transfer of the previous one.
+  // Pinned staging for host copies: two halves, so that filling one chunk on the host overlaps
+  // the transfer of the previous one. An F32 -> BF16 copy_from_host passes each chunk through the
+  // workspace, which therefore holds at least one half.
   static constexpr size_t kStagingBytes = size_t(16) << 20;
+  static_assert(kStagingBytes <= kDefaultWorkspaceBytes, "copy_from_host stages F32 chunks in the workspace");
   void* staging_[2] = {nullptr, nullptr};
   cudaEvent_t staging_done_[2] = {nullptr, nullptr};
   bool capturing_ = false;
