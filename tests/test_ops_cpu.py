@@ -127,6 +127,29 @@ def test_gdn_gated_norm(cpu):
     assert relerr(cpu.gdn_gated_norm(o, z, w, hv, dv, 1e-6), ref.gdn_gated_norm(o, z, w, hv, dv, 1e-6)) <= TOL
 
 
+def test_gdn_decode(cpu):
+    """gdn_decode (the base class's three ops) on column ranges of the in_proj output qkv | z | b | a,
+    two calls in a row carrying both states, against the references in sequence."""
+    rng = np.random.default_rng(9)
+    hk, hv, dk, dv, T, calls, pad = 2, 4, 16, 24, 3, 2, 5
+    C, vdim = 2 * hk * dk + hv * dv, hv * dv
+    proj = randn(rng, calls * T, C + vdim + 2 * hv + pad)
+    conv_w, conv_state = randn(rng, C, 4, scale=0.3), randn(rng, C, 3)
+    A_log, dt_bias = np.log(rng.uniform(0.05, 8, hv)).astype(np.float32), randn(rng, hv, scale=0.1)
+    norm_w, state = 1 + randn(rng, dv, scale=0.1), randn(rng, hv, dk, dv, scale=0.2)
+    out, new_conv_state, new_state = cpu.gdn_decode(proj, conv_w, conv_state, A_log, dt_bias, norm_w, state,
+                                                    hk, hv, dk, dv, calls, pad, True)
+    want, cs, st = [], conv_state, state
+    for i in range(calls):
+        p = proj[i * T : (i + 1) * T]
+        x, cs = ref.gdn_conv(p[:, :C], conv_w, cs)
+        o, st = ref.gdn(x, p[:, C + vdim : C + vdim + 2 * hv], A_log, dt_bias, st, hk, hv, dk, dv)
+        want.append(ref.gdn_gated_norm(o, p[:, C : C + vdim], norm_w, hv, dv, 1e-6))
+    assert relerr(out, np.concatenate(want)) <= TOL
+    assert relerr(new_conv_state, cs) <= TOL
+    assert relerr(new_state, st) <= TOL
+
+
 def test_layer_norm_and_gelu(cpu):
     rng = np.random.default_rng(8)
     x, w, b = randn(rng, 9, 40, scale=3), randn(rng, 40), randn(rng, 40)

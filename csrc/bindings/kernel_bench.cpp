@@ -58,6 +58,33 @@ class KernelBench {
         iters, reps);
   }
 
+  // Microseconds per call of gdn_decode over T tokens (conv + recurrence + gated norm): the backend's
+  // own (the CUDA fused kernel) or, fused = false, the base class's three ops.
+  std::vector<double> gdn_decode(int64_t T, int64_t hk, int64_t hv, int64_t dk, int64_t dv, bool fused, int iters,
+                                 int reps) {
+    Scope scope(this);
+    GdnParams p{hk, hv, dk, dv, 4, 1e-6f};
+    const int64_t C = p.conv_dim(), vdim = hv * dv;
+    const DType act = be_->activation_dtype();
+    const int64_t copies = copies_for((hv * dk * dv + C * 3) * 4);
+    std::vector<Tensor> states(copies), conv_states(copies);
+    for (int64_t c = 0; c < copies; ++c) {
+      states[c] = random({hv, dk, dv}, DType::F32, 0.05f);
+      conv_states[c] = random({C, 3}, DType::F32, 1.0f);
+    }
+    Tensor proj = random({T, C + vdim + 2 * hv}, act, 1.0f), conv_w = random({C, 4}, DType::F32, 0.3f);
+    Tensor a_log = random({hv}, DType::F32, 0.5f), dt_bias = random({hv}, DType::F32, 0.5f);
+    Tensor norm_w = random({dv}, DType::F32, 1.0f);
+    Tensor conv_out = alloc({T, C}, act), o = alloc({T, vdim}, act), out = alloc({T, vdim}, act);
+    return time(
+        [&](int i) {
+          const Tensor &cs = conv_states[i % copies], &st = states[i % copies];
+          if (fused) be_->gdn_decode(proj, conv_w, cs, a_log, dt_bias, norm_w, st, p, conv_out, o, out);
+          else be_->Backend::gdn_decode(proj, conv_w, cs, a_log, dt_bias, norm_w, st, p, conv_out, o, out);
+        },
+        iters, reps);
+  }
+
   // Microseconds per call of attention for T new tokens at the end of a context of `context` rows.
   std::vector<double> attention(int64_t T, int64_t context, int64_t hq, int64_t hkv, int64_t hd, int iters, int reps) {
     Scope scope(this);
@@ -205,6 +232,8 @@ void register_kernel_bench(py::module_& m) {
            py::arg("reps") = 10)
       .def("gdn", &KernelBench::gdn, py::arg("T"), py::arg("hk"), py::arg("hv"), py::arg("dk"), py::arg("dv"),
            py::arg("chunked") = false, py::arg("iters") = 50, py::arg("reps") = 10)
+      .def("gdn_decode", &KernelBench::gdn_decode, py::arg("T"), py::arg("hk"), py::arg("hv"), py::arg("dk"),
+           py::arg("dv"), py::arg("fused") = true, py::arg("iters") = 50, py::arg("reps") = 10)
       .def("attention", &KernelBench::attention, py::arg("T"), py::arg("context"), py::arg("hq"), py::arg("hkv"),
            py::arg("hd"), py::arg("iters") = 50, py::arg("reps") = 10)
       .def("sample", &KernelBench::sample, py::arg("R"), py::arg("V"), py::arg("temperature"), py::arg("top_k"),

@@ -219,6 +219,34 @@ void register_op_runner(py::module_& m) {
            },
            py::arg("qkv"), py::arg("ba"), py::arg("A_log"), py::arg("dt_bias"), py::arg("state"), py::arg("hk"),
            py::arg("hv"), py::arg("dk"), py::arg("dv"), py::arg("chunked"))
+      .def("gdn_decode",
+           [](OpRunner& r, F32Array proj, F32Array conv_w, F32Array conv_state, F32Array A_log, F32Array dt_bias,
+              F32Array norm_w, F32Array state, int64_t hk, int64_t hv, int64_t dk, int64_t dv, int64_t calls,
+              int64_t pad, bool fused) {
+             // `calls` gdn_decode ops back to back on consecutive row blocks of proj [calls * T, width + pad],
+             // carrying both states, as consecutive decode steps do. proj and out are column ranges of
+             // wider buffers (pad extra columns), as the model passes them. fused = false runs the base
+             // class's three ops instead of a backend's own gdn_decode. Returns (out, conv_state, state).
+             GdnParams p = gdn_params(hk, hv, dk, dv, 1e-6f);
+             p.conv_kernel = conv_w.shape(1);
+             const py::ssize_t rows = proj.shape(0), width = proj.shape(1) - pad, T = rows / calls;
+             const int64_t vdim = hv * dv;
+             Tensor pr = r.upload(proj, r.act()).cols(0, width);
+             Tensor cw = r.upload(conv_w, DType::F32), cs = r.upload(conv_state, DType::F32),
+                    st = r.upload(state, DType::F32), a = r.upload(A_log, DType::F32), d = r.upload(dt_bias, DType::F32),
+                    nw = r.upload(norm_w, DType::F32);
+             Tensor out = r.poisoned({rows, vdim + pad}, r.act()).cols(0, vdim);
+             Tensor conv_out = r.poisoned({T, p.conv_dim()}, r.act()), o = r.poisoned({T, vdim}, r.act());
+             for (int64_t i = 0; i < calls; ++i) {
+               const Tensor pi = pr.rows(i * T, T), oi = out.rows(i * T, T);
+               if (fused) r.be().gdn_decode(pi, cw, cs, a, d, nw, st, p, conv_out, o, oi);
+               else r.be().Backend::gdn_decode(pi, cw, cs, a, d, nw, st, p, conv_out, o, oi);
+             }
+             return py::make_tuple(r.download(out), r.download(cs), r.download(st));
+           },
+           py::arg("proj"), py::arg("conv_w"), py::arg("conv_state"), py::arg("A_log"), py::arg("dt_bias"),
+           py::arg("norm_w"), py::arg("state"), py::arg("hk"), py::arg("hv"), py::arg("dk"), py::arg("dv"),
+           py::arg("calls"), py::arg("pad"), py::arg("fused"))
       .def("gdn_gated_norm", [](OpRunner& r, F32Array o, F32Array z, F32Array w, int64_t hv, int64_t dv, float eps) {
         GdnParams p = gdn_params(1, hv, 1, dv, eps);
         Tensor out = r.poisoned({o.shape(0), o.shape(1)}, r.act());

@@ -148,11 +148,14 @@ void Qwen35Model::forward_embedded(int64_t T, const Tensor& positions, const Ten
       Tensor all = proj.cols(0, L.gdn.in_proj.out_features());
       Tensor conv_out = mixed.cols(0, C), o = ws.gdn_out.rows(0, T), gated = ws.gated.rows(0, T);
       be_.linear(normed, L.gdn.in_proj, all);
-      be_.gdn_conv(all.cols(0, C), L.gdn.conv_weight, S.conv_state, conv_out);
-      Tensor ba = all.cols(C + vdim, 2 * HV);
-      if (chunked_gdn) be_.gdn_chunked(conv_out, ba, L.gdn.A_log, L.gdn.dt_bias, S.recurrent, gdn_, o);
-      else be_.gdn_recurrent(conv_out, ba, L.gdn.A_log, L.gdn.dt_bias, S.recurrent, gdn_, o);
-      be_.gdn_gated_norm(o, all.cols(C, vdim), L.gdn.norm, gdn_, gated);
+      if (chunked_gdn) {
+        be_.gdn_conv(all.cols(0, C), L.gdn.conv_weight, S.conv_state, conv_out);
+        be_.gdn_chunked(conv_out, all.cols(C + vdim, 2 * HV), L.gdn.A_log, L.gdn.dt_bias, S.recurrent, gdn_, o);
+        be_.gdn_gated_norm(o, all.cols(C, vdim), L.gdn.norm, gdn_, gated);
+      } else {
+        be_.gdn_decode(all, L.gdn.conv_weight, S.conv_state, L.gdn.A_log, L.gdn.dt_bias, L.gdn.norm, S.recurrent, gdn_,
+                       conv_out, o, gated);
+      }
       be_.linear(gated, L.gdn.out, delta);
     }
     be_.add_rms_norm(x, delta, L.post_norm, normed, eps);

@@ -62,7 +62,8 @@ class Qwen35Model {
   // Runs T = ids.dim(0) tokens through the decoder, reading and updating `state`: `positions`
   // (I32 [T], device) are their indices in the sequence (cache rows), `rope_positions` (I32 [T, 3])
   // their (t, h, w) rotary positions. Leaves the final-normed hidden states in ws.normed[0:T].
-  // `chunked_gdn` picks the chunked DeltaNet form (prefill) over the recurrence (decode, verify).
+  // `chunked_gdn` picks the chunked DeltaNet form (prefill) over gdn_decode, the recurrence with the
+  // conv and the gated norm in one op (decode, verify).
   void forward(const Tensor& ids, const Tensor& positions, const Tensor& rope_positions, SequenceState& state,
                Workspace& ws, bool chunked_gdn) const;
   // The same in two steps, so that the caller can replace rows of the embeddings (image features)

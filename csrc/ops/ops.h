@@ -152,6 +152,21 @@ class Backend {
   virtual void gdn_gated_norm(const Tensor& o, const Tensor& z, const Tensor& weight, const GdnParams& p,
                               const Tensor& out) = 0;
 
+  // Gated DeltaNet steps 1-3 for the few tokens of a decode step, from the in_proj output
+  // proj [T, C + HV*dv + 2*HV] = qkv (C = conv_dim) | z (HV*dv) | b (HV) | a (HV):
+  //   gdn_conv(qkv) -> conv_out;  gdn_recurrent(conv_out, b | a) -> o;  gdn_gated_norm(o, z) -> out [T, HV*dv].
+  // conv_out [T, C] and o [T, HV*dv] (activation dtype) are scratch for backends that run the three
+  // ops, as this default does. The CUDA backend runs up to 16 tokens as one kernel with the same
+  // roundings (so the same bits) and leaves the scratch untouched.
+  virtual void gdn_decode(const Tensor& proj, const Tensor& conv_weight, const Tensor& conv_state, const Tensor& A_log,
+                          const Tensor& dt_bias, const Tensor& norm_weight, const Tensor& state, const GdnParams& p,
+                          const Tensor& conv_out, const Tensor& o, const Tensor& out) {
+    const int64_t C = p.conv_dim(), vdim = p.num_v_heads * p.v_head_dim;
+    gdn_conv(proj.cols(0, C), conv_weight, conv_state, conv_out);
+    gdn_recurrent(conv_out, proj.cols(C + vdim, 2 * p.num_v_heads), A_log, dt_bias, state, p, o);
+    gdn_gated_norm(o, proj.cols(C, vdim), norm_weight, p, out);
+  }
+
   // Samples one token per row of logits [R, V] (F32 or the activation dtype) into tokens I32 [R].
   // The random draw for row r is uniform_hash(config.seed, step[0] + r) (see ops/sampling_rng.h), so
   // every backend draws the same numbers; step (I32 [1]) is advanced by R.

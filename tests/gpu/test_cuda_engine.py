@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 
 import numpy as np
 import pytest
@@ -108,6 +109,26 @@ def test_pdl_off_gives_identical_results(monkeypatch, sampling):
     assert runs["1"][0] == runs["0"][0]
     np.testing.assert_array_equal(runs["1"][1], runs["0"][1])
     assert runs["1"][2] == runs["0"][2]
+
+
+def test_unfused_gdn_gives_identical_results(monkeypatch):
+    """gdn_decode's fused kernel computes the bits of the three DeltaNet ops it replaces: the decode
+    graph's tokens and the eager token-by-token logits are the same with it off (OCRIA_RT_GDN_FUSED=0,
+    read when the engine's backend is constructed), and each DeltaNet layer's decode step has two
+    kernels fewer with it on."""
+    d = FIXTURES / "text_tied"
+    prompt = list(load_reference("text_tied")["greedy_prompt"])
+    text = json.loads((d / "config.json").read_text())
+    gdn_layers = sum(t == "linear_attention" for t in text.get("text_config", text)["layer_types"])
+    runs = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv("OCRIA_RT_GDN_FUSED", fused)
+        eng = ocria_rt.Engine(d, device="cuda")
+        tokens = eng.generate(prompt, max_new_tokens=64, stop_token_ids=[]).token_ids
+        runs[fused] = (tokens, eng.score(prompt + tokens[:16], chunk=1), eng.stats()["kernels_per_decode_step"])
+    assert runs["1"][0] == runs["0"][0]
+    np.testing.assert_array_equal(runs["1"][1], runs["0"][1])
+    assert runs["0"][2] - runs["1"][2] == 2 * gdn_layers
 
 
 def test_generations_in_a_row_do_not_leak():

@@ -323,6 +323,70 @@ def test_gdn_gated_norm(cpu, gpu, T, hv, dv):
     assert relerr(gpu.gdn_gated_norm(o, z, w, hv, dv, 1e-6), cpu.gdn_gated_norm(o, z, w, hv, dv, 1e-6)) <= OUT_TOL
 
 
+def gdn_decode_inputs(rng, hk, hv, dk, dv, rows, pad):
+    """gdn_decode's inputs: the in_proj output [rows, qkv | z | b | a] with `pad` more columns (the
+    op gets a column range, as from the model's wider buffer), conv weight and state, A_log, dt_bias,
+    the norm weight and the recurrent state."""
+    C = 2 * hk * dk + hv * dv
+    proj = randn(rng, rows, C + hv * dv + 2 * hv + pad)
+    conv_w, conv_state = randn(rng, C, 4, scale=0.3), randn(rng, C, 3)
+    A_log = np.log(rng.uniform(0.05, 8, hv)).astype(np.float32)
+    dt_bias, norm_w = randn(rng, hv, scale=0.1), bf16(1 + randn(rng, dv, scale=0.1))
+    state = randn(rng, hv, dk, dv, scale=0.2)
+    return proj, conv_w, conv_state, A_log, dt_bias, norm_w, state
+
+
+# gdn_decode against the CPU: the GPU rounds the conv output and o to BF16 between the steps (the
+# three ops store them as BF16), and the gated norm's RMS rescaling amplifies that where o nearly
+# cancels. The CPU ops with those roundings modelled give up to 1.2e-2 (out) and 2.8e-3 (state) on
+# the cases below, and up to 2.9e-2 and 3.0e-3 over 30 seeds of the small shapes.
+DECODE_OUT_TOL = 5e-2
+DECODE_STATE_TOL = 5e-3
+
+
+def check_gdn_decode(cpu, gpu, hk, hv, dk, dv, T, calls=3, pad=8):
+    """`calls` gdn_decode ops of T tokens back to back from non-zero states, on the GPU fused, on the
+    GPU as the three ops, and on the CPU."""
+    rng = np.random.default_rng(hk * dk + hv * dv + T)
+    args = gdn_decode_inputs(rng, hk, hv, dk, dv, calls * T, pad)
+    fused = gpu.gdn_decode(*args, hk, hv, dk, dv, calls, pad, True)
+    split = gpu.gdn_decode(*args, hk, hv, dk, dv, calls, pad, False)
+    ref = cpu.gdn_decode(*args, hk, hv, dk, dv, calls, pad, True)
+    for name, f, s in zip(("out", "conv_state", "state"), fused, split):
+        assert np.all(np.isfinite(f)), f"{name}: non-finite values (poisoned output left unwritten?)"
+        np.testing.assert_array_equal(f, s, err_msg=f"{name}: fused kernel vs the three ops")
+    out, conv_state, state = fused
+    assert relerr(out, ref[0]) <= DECODE_OUT_TOL
+    assert relerr(conv_state, ref[1]) <= 1e-6  # a copy of (BF16) inputs
+    assert relerr(state, ref[2]) <= DECODE_STATE_TOL
+
+
+@pytest.mark.parametrize("T", [1, 2, 5, 16])
+@pytest.mark.parametrize("group", [1, 2])
+@pytest.mark.parametrize("dk,dv", [(128, 128), (64, 128), (32, 64), (16, 16), (16, 24)])
+def test_gdn_decode(cpu, gpu, dk, dv, group, T):
+    """The fused decode kernel: the same bits as gdn_conv + gdn_recurrent + gdn_gated_norm on the
+    GPU, over HV/HK = 1 and 2 (the conv state of q, k shared by a cluster of value heads), dk 16 .. 128
+    and dv not a multiple of 32 (the fixtures' 16 and 24)."""
+    check_gdn_decode(cpu, gpu, 2, 2 * group, dk, dv, T)
+
+
+@pytest.mark.parametrize("hk,hv,dk,dv,T", [
+    (16, 32, 128, 128, 1),  # the 4B
+    (16, 16, 128, 128, 1),  # the 0.8B
+    (16, 32, 128, 128, 16),
+    (1, 8, 32, 40, 3),  # a cluster of 8 value heads
+    (3, 6, 64, 100, 7),
+    # shapes the fused kernel does not take: the three ops run instead
+    (1, 3, 256, 32, 2),  # dk 256
+    (2, 2, 64, 160, 1),  # dv > 128
+    (2, 4, 64, 128, 17),  # more than 16 tokens
+    (1, 16, 32, 32, 1),  # HV / HK > 8
+])
+def test_gdn_decode_shapes(cpu, gpu, hk, hv, dk, dv, T):
+    check_gdn_decode(cpu, gpu, hk, hv, dk, dv, T)
+
+
 # ---- sampling: greedy exactly, seeded draws identical to the CPU ----
 
 

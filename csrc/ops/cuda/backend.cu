@@ -101,6 +101,8 @@ using cuda::check_cuda;
 CudaBackend::CudaBackend(int device_index) : device_(device_index) {
   const char* pdl_env = std::getenv("OCRIA_RT_PDL");
   pdl_ = !(pdl_env && std::strcmp(pdl_env, "0") == 0);
+  const char* fused_env = std::getenv("OCRIA_RT_GDN_FUSED");
+  gdn_fused_ = !(fused_env && std::strcmp(fused_env, "0") == 0);
   int count = 0;
   check_cuda(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
   if (device_index < 0 || device_index >= count)

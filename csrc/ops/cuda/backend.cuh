@@ -73,21 +73,37 @@ struct LaunchCtx {
 };
 
 // kernel<<<grid, block, smem, ctx.stream>>>(args...), as a programmatic dependent launch when
-// ctx.pdl. `what` names the kernel in the error message. The kernel must follow the rules above.
+// ctx.pdl, in thread block clusters of `cluster` consecutive blocks along x when cluster > 0 (it
+// must divide grid.x; at most 8). `what` names the kernel in the error message. The kernel must
+// follow the rules above.
 template <class... Params, class... Args>
-void launch_pdl(const LaunchCtx& ctx, const char* what, void (*kernel)(Params...), dim3 grid, dim3 block,
-                size_t smem, Args&&... args) {
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
+void launch_pdl_cluster(const LaunchCtx& ctx, const char* what, unsigned cluster, void (*kernel)(Params...),
+                        dim3 grid, dim3 block, size_t smem, Args&&... args) {
+  cudaLaunchAttribute attrs[2]{};
+  unsigned n = 0;
+  if (ctx.pdl) {
+    attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster > 0) {
+    attrs[n].id = cudaLaunchAttributeClusterDimension;
+    attrs[n].val.clusterDim.x = cluster;
+    attrs[n].val.clusterDim.y = 1;
+    attrs[n++].val.clusterDim.z = 1;
+  }
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = ctx.stream;
-  cfg.attrs = ctx.pdl ? &attr : nullptr;
-  cfg.numAttrs = ctx.pdl ? 1 : 0;
+  cfg.attrs = n > 0 ? attrs : nullptr;
+  cfg.numAttrs = n;
   check_cuda(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...), what);
+}
+template <class... Params, class... Args>
+void launch_pdl(const LaunchCtx& ctx, const char* what, void (*kernel)(Params...), dim3 grid, dim3 block,
+                size_t smem, Args&&... args) {
+  launch_pdl_cluster(ctx, what, 0, kernel, grid, block, smem, std::forward<Args>(args)...);
 }
 
 // Waits until the kernels this one depends on have completed and their writes are visible.
@@ -170,6 +186,9 @@ class CudaBackend final : public Backend {
   // Whether decode-path kernels go out as programmatic dependent launches (OCRIA_RT_PDL != "0" in
   // the environment when the backend was constructed).
   bool pdl() const { return pdl_; }
+  // Whether gdn_decode runs its fused kernel where it applies (OCRIA_RT_GDN_FUSED != "0" in the
+  // environment when the backend was constructed; "0" runs the three ops, for comparison).
+  bool gdn_fused() const { return gdn_fused_; }
   // Grows the op workspace to at least `bytes` (it starts at kDefaultWorkspaceBytes). Call before
   // capturing graphs; ops never allocate. Sampling of R rows of V logits needs about R * V * 4 bytes
   // (rows beyond what fits are processed in several launches), attention about
@@ -212,6 +231,9 @@ class CudaBackend final : public Backend {
                    const Tensor& state, const GdnParams& p, const Tensor& out) override;
   void gdn_gated_norm(const Tensor& o, const Tensor& z, const Tensor& weight, const GdnParams& p,
                       const Tensor& out) override;
+  void gdn_decode(const Tensor& proj, const Tensor& conv_weight, const Tensor& conv_state, const Tensor& A_log,
+                  const Tensor& dt_bias, const Tensor& norm_weight, const Tensor& state, const GdnParams& p,
+                  const Tensor& conv_out, const Tensor& o, const Tensor& out) override;
   void sample(const Tensor& logits, const SamplerConfig& config, const Tensor& step, const Tensor& tokens) override;
   void layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out, float eps) override;
   void gelu(const Tensor& x, const Tensor& out, bool tanh_approximation) override;
@@ -241,6 +263,7 @@ class CudaBackend final : public Backend {
   int device_ = 0;
   int sm_count_ = 0;
   bool pdl_ = true;
+  bool gdn_fused_ = true;
   cudaStream_t stream_ = nullptr;
   // Op scratch, shared by all ops: kernels on the one stream only touch it after pdl_wait(), when
   // every earlier kernel has completed.

@@ -2,58 +2,34 @@
 //   out[t, c] = silu(sum_j w[c, j] * in[t + j, c]),  in = [conv_state (K-1 previous inputs) ; x],
 // so w[c, K-1] multiplies the current input; conv_state [C, K-1] (F32) becomes the last K-1 inputs.
 // One thread per (channel, chunk of kTokens tokens): coalesced over channels, the window slides in
-// registers. With more than one chunk the state update runs as a second kernel (the first chunk
-// still reads the old state).
-#include "ops/cuda/backend.cuh"
+// registers (ConvWindow, conv.cuh). With more than one chunk the state update runs as a second
+// kernel (the first chunk still reads the old state).
+#include "ops/cuda/conv.cuh"
 
 namespace ocria_rt {
 namespace cuda {
 namespace {
 
-constexpr int kMaxWidth = 8;
 constexpr int kTokens = 64;
 
-// The window is kept right-aligned in a fixed-size register array (static indices only): after
-// shifting in token t, win[kMaxWidth - K + j] = in[t + j] for j < K, and wr[] holds the weights at
-// the same positions (zeros in front), so out = sum_i wr[i] * win[i].
 template <class T>
 __global__ void conv_kernel(const T* __restrict__ x, int64_t ldx, ParamView w, float* __restrict__ state,
                             T* __restrict__ out, int64_t ldo, int T_, int C, int K, bool update_state) {
   pdl_launch_dependents();
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  const int lead = kMaxWidth - K;  // unused front slots
-  float wr[kMaxWidth], win[kMaxWidth];
-#pragma unroll
-  for (int i = 0; i < kMaxWidth; ++i) wr[i] = i >= lead && c < C ? w[int64_t(c) * K + (i - lead)] : 0.0f;
+  ConvWindow cw;
+  cw.load_weights(w, c, K, c < C);
   pdl_wait();  // the weights are read-only; x and the state come from earlier kernels
   if (c >= C) return;
   const int t0 = blockIdx.y * kTokens, t1 = min(T_, t0 + kTokens);
-#pragma unroll
-  for (int i = 0; i < kMaxWidth; ++i) {
-    // Before token t0: win[lead + 1 + j] = in[t0 + j], j < K-1; in[p] = state[p] (p < K-1) or x[p - (K-1)].
-    const int j = i - lead - 1;
-    win[i] = 0.0f;
-    if (j >= 0) {
-      const int p = t0 + j;
-      win[i] = p < K - 1 ? state[int64_t(c) * (K - 1) + p] : to_float(x[int64_t(p - (K - 1)) * ldx + c]);
-    }
-  }
-  for (int t = t0; t < t1; ++t) {
-#pragma unroll
-    for (int i = 0; i < kMaxWidth - 1; ++i) win[i] = win[i + 1];
-    win[kMaxWidth - 1] = to_float(x[int64_t(t) * ldx + c]);
-    float s = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kMaxWidth; ++i) s = fmaf(wr[i], win[i], s);
-    out[int64_t(t) * ldo + c] = from_float<T>(silu(s));
-  }
-  if (update_state) {  // single chunk: this thread read the old state above; win now ends in in[T .. T+K-2]
-#pragma unroll
-    for (int i = 0; i < kMaxWidth; ++i) {
-      const int j = i - lead - 1;
-      if (j >= 0) state[int64_t(c) * (K - 1) + j] = win[i];
-    }
-  }
+  // in[p] = state[p] (p < K-1) or x[p - (K-1)]
+  cw.start(K, [&](int j) {
+    const int p = t0 + j;
+    return p < K - 1 ? state[int64_t(c) * (K - 1) + p] : to_float(x[int64_t(p - (K - 1)) * ldx + c]);
+  });
+  for (int t = t0; t < t1; ++t) out[int64_t(t) * ldo + c] = from_float<T>(cw.step(to_float(x[int64_t(t) * ldx + c])));
+  // Single chunk: this thread read the old state above; the window now ends in in[T .. T+K-2].
+  if (update_state) cw.finish(K, [&](int j, float v) { state[int64_t(c) * (K - 1) + j] = v; });
 }
 
 // state[c, j] = in[T + j] = x[T - (K-1) + j] (T >= K-1 here, else the single-chunk path ran).
@@ -94,7 +70,7 @@ void CudaBackend::gdn_conv(const Tensor& x, const Tensor& conv_weight, const Ten
   const int64_t T = x.dim(0), C = x.dim(1), K = conv_weight.dim(-1);
   OCRIA_RT_REQUIRE(conv_weight.numel() == C * K, op, "conv_weight " + conv_weight.shape_str() + " for " + std::to_string(C) +
                                                 " channels");
-  OCRIA_RT_REQUIRE(K >= 2 && K <= kMaxWidth, op, "conv width " + std::to_string(K) + " unsupported (2..8)");
+  OCRIA_RT_REQUIRE(K >= 2 && K <= kConvMaxWidth, op, "conv width " + std::to_string(K) + " unsupported (2..8)");
   OCRIA_RT_REQUIRE(conv_state.numel() == C * (K - 1) && conv_state.contiguous(), op,
           "conv_state " + conv_state.shape_str() + ", expected [C, K-1] contiguous");
   OCRIA_RT_REQUIRE(T <= (int64_t(65535) * kTokens), op, "too many tokens");

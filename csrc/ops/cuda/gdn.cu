@@ -1,4 +1,5 @@
-// Gated DeltaNet: the recurrence (gdn_recurrent, gdn_chunked) and the gated output norm.
+// Gated DeltaNet: the recurrence (gdn_recurrent, gdn_chunked), the gated output norm, and the fused
+// decode kernel (gdn_decode: conv + recurrence + gated norm).
 //
 // Per value head h (key head h / (HV / HK)) and token t, with S [dk, dv] fp32:
 //   q, k L2-normalised, q *= dk^-0.5, beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)
@@ -12,8 +13,11 @@
 // Tokens are processed in chunks of 16: the warps first normalise q, k and compute beta, exp(g), k.q
 // of the chunk's tokens into shared memory, then step through the tokens.
 //
+// Fused decode kernel (gdn_decode, up to 16 tokens): see the comment before it.
+//
 // Chunked form (gdn_chunked from 64 tokens, BF16, dk 64 / 128): see the comment before its kernels.
 #include "ops/cuda/backend.cuh"
+#include "ops/cuda/conv.cuh"
 #include "ops/cuda/mma.cuh"
 
 #include <algorithm>
@@ -25,20 +29,107 @@ namespace {
 constexpr int kTokChunk = 16;
 constexpr int kWarps = 4;
 
+// ---- the per-token arithmetic, shared by the recurrent and the fused decode kernels (so that both
+// give the same bits) ----
+
 __device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(__expf(x)); }  // torch threshold
+
+// exp(g), g = neg_A * softplus(a + dt_bias), neg_A = -exp(A_log).
+__device__ __forceinline__ float gdn_decay(float a, float neg_A, float dt_bias) {
+  return __expf(neg_A * softplus(a + dt_bias));
+}
+
+// One warp L2-normalises q and k of one token, x * rsqrt(sum x^2 + 1e-6) as transformers / fla
+// l2norm, q additionally * dk^-0.5. Lane l handles elements l + 32 e; q_at(i), k_at(i) read raw
+// element i, and the results go to qs[i], ks[i] (which may be the elements read: each lane reads
+// all of its elements before it writes any). Returns k . q (in every lane).
+template <int DK, class QAt, class KAt>
+__device__ __forceinline__ float l2norm_qk(QAt q_at, KAt k_at, float* qs, float* ks, int lane) {
+  constexpr int E = (DK + 31) / 32;
+  const float q_scale = rsqrtf(float(DK));
+  float qv[E], kv[E], ssq = 0.0f, ssk = 0.0f;
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const bool in = lane + 32 * e < DK;
+    qv[e] = in ? q_at(lane + 32 * e) : 0.0f;
+    kv[e] = in ? k_at(lane + 32 * e) : 0.0f;
+    ssq = fmaf(qv[e], qv[e], ssq);
+    ssk = fmaf(kv[e], kv[e], ssk);
+  }
+  const float qi = rsqrtf(warp_sum(ssq) + 1e-6f) * q_scale, ki = rsqrtf(warp_sum(ssk) + 1e-6f);
+  float kq = 0.0f;
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const float qn = qv[e] * qi, kn = kv[e] * ki;
+    if (lane + 32 * e < DK) {
+      qs[lane + 32 * e] = qn;
+      ks[lane + 32 * e] = kn;
+    }
+    kq = fmaf(qn, kn, kq);
+  }
+  return warp_sum(kq);
+}
+
+// One token of the recurrence for this thread's R rows of one column of S (row group `rw` of the
+// kWarps warps that share the column). kt, qt: the normalised k, q at the thread's first row
+// (16-byte aligned); v: the column's value. red [kWarps][32] (the current token parity's buffer)
+// carries the partial sums of S_dec^T k and S_dec^T q over the row groups: one barrier per token, and
+// a warp writes the same buffer again only after the next token's barrier, when every warp has read
+// it. Contains __syncthreads(). Returns o = S_dec^T q + u (k . q) for the column.
+template <int R>
+__device__ __forceinline__ float gdn_token(float (&S)[R], const float* kt, const float* qt, float decay, float beta,
+                                           float v, float kq, float2 (*red)[32], int rw, int lane) {
+  float pk = 0.0f, pq = 0.0f;
+#pragma unroll
+  for (int r = 0; r < R; r += 4) {
+    const float4 k4 = *reinterpret_cast<const float4*>(kt + r);
+    const float4 q4 = *reinterpret_cast<const float4*>(qt + r);
+    S[r] *= decay, S[r + 1] *= decay, S[r + 2] *= decay, S[r + 3] *= decay;
+    pk = fmaf(S[r], k4.x, fmaf(S[r + 1], k4.y, fmaf(S[r + 2], k4.z, fmaf(S[r + 3], k4.w, pk))));
+    pq = fmaf(S[r], q4.x, fmaf(S[r + 1], q4.y, fmaf(S[r + 2], q4.z, fmaf(S[r + 3], q4.w, pq))));
+  }
+  red[rw][lane] = make_float2(pk, pq);
+  __syncthreads();
+  float sk = 0.0f, sq = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    const float2 p = red[w][lane];
+    sk += p.x;
+    sq += p.y;
+  }
+  const float u = beta * (v - sk);
+#pragma unroll
+  for (int r = 0; r < R; r += 4) {
+    const float4 k4 = *reinterpret_cast<const float4*>(kt + r);
+    S[r] = fmaf(k4.x, u, S[r]);
+    S[r + 1] = fmaf(k4.y, u, S[r + 1]);
+    S[r + 2] = fmaf(k4.z, u, S[r + 2]);
+    S[r + 3] = fmaf(k4.w, u, S[r + 3]);
+  }
+  return fmaf(u, kq, sq);
+}
+
+// The gated norm of one row of dv outputs, one warp: inv = 1 / rms(o) from the lanes' sums of
+// squares (fmaf over the lane's elements lane, lane + 32, ... in order), then each output
+// weight * o * inv * silu(z).
+__device__ __forceinline__ float gated_norm_inv(float ss, int dv, float eps) {
+  return rsqrtf(warp_sum(ss) / float(dv) + eps);
+}
+__device__ __forceinline__ float gated_norm_out(float o, float inv, float w, float z) { return o * inv * (w * silu(z)); }
+
+// ---- gdn_recurrent ----
 
 template <int DK, class T>
 __global__ void __launch_bounds__(kWarps * 32)
     gdn_recurrent_kernel(const T* __restrict__ qkv, int64_t ldq, const T* __restrict__ ba, int64_t ldb, ParamView A_log,
                          ParamView dt_bias, float* __restrict__ state, T* __restrict__ out, int64_t ldo, int n_tokens,
                          int HK, int HV, int dv) {
-  constexpr int R = DK / kWarps;         // rows of S per thread
-  constexpr int E = (DK + 31) / 32;     // q / k elements per lane in the prologue
+  constexpr int R = DK / kWarps;  // rows of S per thread
   __shared__ __align__(16) float qs[kTokChunk][DK];
   __shared__ __align__(16) float ks[kTokChunk][DK];
   __shared__ float vs[kTokChunk][32];
   __shared__ float beta_s[kTokChunk], decay_s[kTokChunk], kq_s[kTokChunk];
-  __shared__ float red[2][kWarps][32][2];  // [token parity][warp][column] (S^T k, S^T q) partial sums
+  __shared__ float2 red[2][kWarps][32];  // [token parity][warp][column] (S^T k, S^T q) partial sums
 
   pdl_launch_dependents();
   const int h = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -46,7 +137,6 @@ __global__ void __launch_bounds__(kWarps * 32)
   const bool col_ok = col < dv;  // dv need not be a multiple of 32: surplus lanes carry zeros
   const int hk = h / (HV / HK);
   const int64_t q_off = int64_t(hk) * DK, k_off = int64_t(HK + hk) * DK, v_off = int64_t(2 * HK) * DK + int64_t(h) * dv;
-  const float q_scale = rsqrtf(float(DK));
   const float neg_A = -__expf(A_log[h]), dtb = dt_bias[h];
   pdl_wait();  // A_log and dt_bias are read-only; the state and the inputs come from earlier kernels
 
@@ -61,71 +151,21 @@ __global__ void __launch_bounds__(kWarps * 32)
     __syncthreads();  // the previous chunk's shared inputs are no longer read
     for (int tt = warp; tt < nt; tt += kWarps) {
       const T* row = qkv + int64_t(tc + tt) * ldq;
-      float qv[E], kv[E], ssq = 0.0f, ssk = 0.0f;
-#pragma unroll
-      for (int e = 0; e < E; ++e) {
-        const bool in = lane + 32 * e < DK;
-        qv[e] = in ? to_float(row[q_off + lane + 32 * e]) : 0.0f;
-        kv[e] = in ? to_float(row[k_off + lane + 32 * e]) : 0.0f;
-        ssq = fmaf(qv[e], qv[e], ssq);
-        ssk = fmaf(kv[e], kv[e], ssk);
-      }
-      // x * rsqrt(sum x^2 + 1e-6), as transformers / fla l2norm; q additionally * dk^-0.5.
-      const float qi = rsqrtf(warp_sum(ssq) + 1e-6f) * q_scale, ki = rsqrtf(warp_sum(ssk) + 1e-6f);
-      float kq = 0.0f;
-#pragma unroll
-      for (int e = 0; e < E; ++e) {
-        const float qn = qv[e] * qi, kn = kv[e] * ki;
-        if (lane + 32 * e < DK) {
-          qs[tt][lane + 32 * e] = qn;
-          ks[tt][lane + 32 * e] = kn;
-        }
-        kq = fmaf(qn, kn, kq);
-      }
-      kq = warp_sum(kq);
+      const float kq = l2norm_qk<DK>([&](int i) { return to_float(row[q_off + i]); },
+                                     [&](int i) { return to_float(row[k_off + i]); }, qs[tt], ks[tt], lane);
       vs[tt][lane] = col_ok ? to_float(row[v_off + col]) : 0.0f;
       if (lane == 0) {
         const T* bar = ba + int64_t(tc + tt) * ldb;
         beta_s[tt] = sigmoid(to_float(bar[h]));
-        decay_s[tt] = __expf(neg_A * softplus(to_float(bar[HV + h]) + dtb));
+        decay_s[tt] = gdn_decay(to_float(bar[HV + h]), neg_A, dtb);
         kq_s[tt] = kq;
       }
     }
     __syncthreads();
     for (int tt = 0; tt < nt; ++tt) {
-      const float d = decay_s[tt];
-      const float* kt = &ks[tt][warp * R];
-      const float* qt = &qs[tt][warp * R];
-      float pk = 0.0f, pq = 0.0f;
-#pragma unroll
-      for (int r = 0; r < R; r += 4) {
-        const float4 k4 = *reinterpret_cast<const float4*>(kt + r);
-        const float4 q4 = *reinterpret_cast<const float4*>(qt + r);
-        S[r] *= d, S[r + 1] *= d, S[r + 2] *= d, S[r + 3] *= d;
-        pk = fmaf(S[r], k4.x, fmaf(S[r + 1], k4.y, fmaf(S[r + 2], k4.z, fmaf(S[r + 3], k4.w, pk))));
-        pq = fmaf(S[r], q4.x, fmaf(S[r + 1], q4.y, fmaf(S[r + 2], q4.z, fmaf(S[r + 3], q4.w, pq))));
-      }
-      red[parity][warp][lane][0] = pk;
-      red[parity][warp][lane][1] = pq;
-      // One barrier per token: red is double-buffered by token parity, and a warp can only write
-      // this buffer again after everyone passed the next token's barrier, i.e. finished reading it.
-      __syncthreads();
-      float sk = 0.0f, sq = 0.0f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        sk += red[parity][w][lane][0];
-        sq += red[parity][w][lane][1];
-      }
-      const float u = beta_s[tt] * (vs[tt][lane] - sk);
-#pragma unroll
-      for (int r = 0; r < R; r += 4) {
-        const float4 k4 = *reinterpret_cast<const float4*>(kt + r);
-        S[r] = fmaf(k4.x, u, S[r]);
-        S[r + 1] = fmaf(k4.y, u, S[r + 1]);
-        S[r + 2] = fmaf(k4.z, u, S[r + 2]);
-        S[r + 3] = fmaf(k4.w, u, S[r + 3]);
-      }
-      if (warp == 0 && col_ok) out[int64_t(tc + tt) * ldo + int64_t(h) * dv + col] = from_float<T>(sq + u * kq_s[tt]);
+      const float o = gdn_token<R>(S, &ks[tt][warp * R], &qs[tt][warp * R], decay_s[tt], beta_s[tt], vs[tt][lane],
+                                   kq_s[tt], red[parity], warp, lane);
+      if (warp == 0 && col_ok) out[int64_t(tc + tt) * ldo + int64_t(h) * dv + col] = from_float<T>(o);
       parity ^= 1;
     }
   }
@@ -134,7 +174,8 @@ __global__ void __launch_bounds__(kWarps * 32)
     for (int r = 0; r < R; ++r) Sp[int64_t(r) * dv] = S[r];
 }
 
-// out = weight * rmsnorm(o) * silu(z) per (token, value head); one warp per row of dv.
+// ---- gdn_gated_norm: out = weight * rmsnorm(o) * silu(z) per (token, value head); one warp per row ----
+
 template <class T>
 __global__ void gated_norm_kernel(const T* __restrict__ o, int64_t ldo_in, const T* __restrict__ z, int64_t ldz,
                                   ParamView w, T* __restrict__ out, int64_t ldo, int64_t rows, int HV, int dv,
@@ -153,10 +194,147 @@ __global__ void gated_norm_kernel(const T* __restrict__ o, int64_t ldo_in, const
     const float v = to_float(orow[i]);
     ss = fmaf(v, v, ss);
   }
-  const float inv = rsqrtf(warp_sum(ss) / float(dv) + eps);
-  for (int i = lane; i < dv; i += 32)
-    dst[i] = from_float<T>(to_float(orow[i]) * inv * (w[i] * silu(to_float(zrow[i]))));
+  const float inv = gated_norm_inv(ss, dv, eps);
+  for (int i = lane; i < dv; i += 32) dst[i] = from_float<T>(gated_norm_out(to_float(orow[i]), inv, w[i], to_float(zrow[i])));
 }
+
+// ---- gdn_decode: the fused decode kernel ----
+//
+// gdn_conv, gdn_recurrent and gdn_gated_norm for up to kTokChunk tokens (BF16), one block per value
+// head h, with the same arithmetic (ConvWindow, l2norm_qk, gdn_token, the gated-norm helpers) and the
+// same BF16 roundings (conv output, recurrence output) as the three kernels, hence the same bits.
+// 16 warps: row group rw = warp % 4 and column group cg = warp / 4 hold S rows [rw dk/4, (rw+1) dk/4)
+// of column 32 cg + lane, as the recurrent kernel's 4 warps do for one 32-column slice (dv <= 128).
+//  1. Thread i < 2 dk + dv convolves channel i of the head (q and k of key head h / (HV/HK), then
+//     the dv v channels of h) over the tokens into xs.
+//  2. Warp t normalises q, k of token t in place and forms its gates.
+//  3. The tokens step through the recurrence; row group 0 keeps o (as BF16 values) in os.
+//  4. Warp t forms the gated norm of token t.
+// The conv state of a key head's q, k channels is read by the blocks of all its HV/HK value heads
+// and written by the first of them only. Those blocks form one thread block cluster: every thread
+// arrives at a cluster barrier once it has read the old state, and the writer waits on it before
+// storing the new one (arrive has release, wait acquire semantics). The v channels' conv state and
+// S belong to one block.
+constexpr int kDecThreads = 512;
+constexpr int kDecMaxDv = 128;  // 4 column groups of 32
+constexpr int kDecMaxCluster = 8;  // HV / HK: the portable cluster size
+static_assert(kDecThreads / 32 >= kTokChunk, "a warp per token");
+static_assert(2 * 128 + kDecMaxDv <= kDecThreads, "a conv channel per thread up to dk = 128");
+
+__device__ __forceinline__ void cluster_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
+#endif
+}
+
+template <int DK>
+__global__ void __launch_bounds__(kDecThreads, 1)
+    gdn_decode_kernel(const bf16* __restrict__ proj, int64_t ldp, ParamView conv_w, float* __restrict__ conv_state,
+                      ParamView A_log, ParamView dt_bias, ParamView norm_w, float* __restrict__ state,
+                      bf16* __restrict__ out, int64_t ldo, int n_tokens, int HK, int HV, int dv, int K, float eps) {
+  constexpr int R = DK / kWarps;        // rows of S per thread
+  constexpr int kCh = 2 * DK + kDecMaxDv;
+  constexpr int kPer = kDecMaxDv / 32;  // gated-norm elements per lane
+  __shared__ __align__(16) float xs[kTokChunk][kCh];  // conv outputs q | k | v (BF16 values); q, k then normalised
+  __shared__ float os[kTokChunk][kDecMaxDv];          // recurrence outputs (BF16 values)
+  __shared__ float2 red[2][kDecMaxDv / 32][kWarps][32];  // [token parity][column group][row group][lane]
+  __shared__ float beta_s[kTokChunk], decay_s[kTokChunk], kq_s[kTokChunk];
+
+  pdl_launch_dependents();
+  const int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int rw = warp % kWarps, cg = warp / kWarps, col = 32 * cg + lane;
+  const bool col_ok = col < dv;
+  const int group = HV / HK, hk = h / group;
+  const int64_t C = 2 * int64_t(HK) * DK + int64_t(HV) * dv, vdim = int64_t(HV) * dv;
+  const bool has_ch = tid < 2 * DK + dv;  // this thread's conv channel: q | k of key head hk, v of h
+  const int64_t ch = tid < DK       ? int64_t(hk) * DK + tid
+                     : tid < 2 * DK ? int64_t(HK + hk) * DK + (tid - DK)
+                                    : 2 * int64_t(HK) * DK + int64_t(h) * dv + (tid - 2 * DK);
+  const bool has_tok = warp < n_tokens;  // warp t forms the gates and the gated norm of token t
+  ConvWindow cw;
+  cw.load_weights(conv_w, ch, K, has_ch);
+  const float neg_A = -__expf(A_log[h]), dtb = dt_bias[h];
+  float nw[kPer];
+#pragma unroll
+  for (int m = 0; m < kPer; ++m) nw[m] = lane + 32 * m < dv ? norm_w[lane + 32 * m] : 0.0f;
+  pdl_wait();  // the weights, A_log, dt_bias are read-only; the rest comes from earlier kernels
+
+  float* Sp = state + int64_t(h) * DK * dv + int64_t(rw * R) * dv + col;
+  float S[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) S[r] = col_ok ? Sp[int64_t(r) * dv] : 0.0f;
+  // Token `warp`'s z (gated norm) and b, a (gates), fetched now to overlap the state loads.
+  float zr[kPer], b_raw = 0.0f, a_raw = 0.0f;
+#pragma unroll
+  for (int m = 0; m < kPer; ++m)
+    zr[m] = has_tok && lane + 32 * m < dv ? to_float(proj[int64_t(warp) * ldp + C + int64_t(h) * dv + lane + 32 * m])
+                                          : 0.0f;
+  if (has_tok && lane == 0) {
+    b_raw = to_float(proj[int64_t(warp) * ldp + C + vdim + h]);
+    a_raw = to_float(proj[int64_t(warp) * ldp + C + vdim + HV + h]);
+  }
+
+  // 1. conv + SiLU, rounded to BF16 as gdn_conv stores it.
+  if (has_ch) cw.start(K, [&](int j) { return conv_state[ch * (K - 1) + j]; });
+  if (has_ch)
+    for (int t = 0; t < n_tokens; ++t)
+      xs[t][tid] = to_float(from_float<bf16>(cw.step(to_float(proj[int64_t(t) * ldp + ch]))));
+  __syncthreads();
+
+  // 2. norms and gates.
+  if (has_tok) {
+    float* x = xs[warp];
+    const float kq = l2norm_qk<DK>([&](int i) { return x[i]; }, [&](int i) { return x[DK + i]; }, x, x + DK, lane);
+    if (lane == 0) {
+      beta_s[warp] = sigmoid(b_raw);
+      decay_s[warp] = gdn_decay(a_raw, neg_A, dtb);
+      kq_s[warp] = kq;
+    }
+  }
+  // This thread has read the old conv state. The release makes the thread wait for all its loads,
+  // so it comes where step 3 would wait for them anyway (the S loads).
+  cluster_arrive();
+  __syncthreads();
+
+  // 3. the recurrence; o rounded to BF16 as gdn_recurrent stores it.
+  int parity = 0;
+  for (int t = 0; t < n_tokens; ++t) {
+    const float v = col_ok ? xs[t][2 * DK + col] : 0.0f;
+    const float o = gdn_token<R>(S, &xs[t][DK + rw * R], &xs[t][rw * R], decay_s[t], beta_s[t], v, kq_s[t],
+                                 red[parity][cg], rw, lane);
+    if (rw == 0 && col_ok) os[t][col] = to_float(from_float<bf16>(o));
+    parity ^= 1;
+  }
+  __syncthreads();
+
+  // 4. the gated norm.
+  if (has_tok) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int m = 0; m < kPer; ++m)
+      if (lane + 32 * m < dv) ss = fmaf(os[warp][lane + 32 * m], os[warp][lane + 32 * m], ss);
+    const float inv = gated_norm_inv(ss, dv, eps);
+    bf16* dst = out + int64_t(warp) * ldo + int64_t(h) * dv;
+#pragma unroll
+    for (int m = 0; m < kPer; ++m)
+      if (lane + 32 * m < dv)
+        dst[lane + 32 * m] = from_float<bf16>(gated_norm_out(os[warp][lane + 32 * m], inv, nw[m], zr[m]));
+  }
+
+  if (col_ok)
+#pragma unroll
+    for (int r = 0; r < R; ++r) Sp[int64_t(r) * dv] = S[r];
+  cluster_wait();  // every block of the cluster has read the old conv state
+  if (has_ch && (tid >= 2 * DK || h % group == 0))
+    cw.finish(K, [&](int j, float x) { conv_state[ch * (K - 1) + j] = x; });
+}
+
+// ---- launches ----
 
 template <class T>
 void launch_recurrent(int dk, dim3 grid, const Tensor& qkv, const Tensor& ba, ParamView A_log, ParamView dt_bias,
@@ -805,6 +983,52 @@ void CudaBackend::gdn_gated_norm(const Tensor& o, const Tensor& z, const Tensor&
     launch_pdl(launch_ctx(), "gated_norm_kernel", gated_norm_kernel<float>, blocks, kRowsPerBlock * 32, 0,
                o.ptr<const float>(), o.row_stride, z.ptr<const float>(), z.row_stride, w, out.ptr<float>(),
                out.row_stride, rows, int(HV), int(dv), p.norm_eps);
+}
+
+void CudaBackend::gdn_decode(const Tensor& proj, const Tensor& conv_weight, const Tensor& conv_state,
+                             const Tensor& A_log, const Tensor& dt_bias, const Tensor& norm_weight, const Tensor& state,
+                             const GdnParams& p, const Tensor& conv_out, const Tensor& o, const Tensor& out) {
+  using namespace cuda;
+  const int64_t T = proj.dim(0), HK = p.num_k_heads, HV = p.num_v_heads, dk = p.k_head_dim, dv = p.v_head_dim;
+  const int64_t K = conv_weight.dim(-1);
+  const bool fused = gdn_fused_ && proj.dtype == DType::BF16 && T >= 1 && T <= kTokChunk &&
+                     (dk == 16 || dk == 32 || dk == 64 || dk == 128) && dv >= 1 && dv <= kDecMaxDv && K >= 2 &&
+                     K <= kConvMaxWidth && HK > 0 && HV % HK == 0 && HV / HK <= kDecMaxCluster;
+  if (!fused) {
+    Backend::gdn_decode(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, p, conv_out, o, out);
+    return;
+  }
+  const char* op = "gdn_decode";
+  require_tensor(proj, DType::BF16, op, "proj");
+  require_tensor(out, DType::BF16, op, "out");
+  require_tensor(conv_state, DType::F32, op, "conv_state");
+  require_tensor(state, DType::F32, op, "state");
+  ParamView cw = param_view(conv_weight, op, "conv_weight"), a_log = param_view(A_log, op, "A_log"),
+            dtb = param_view(dt_bias, op, "dt_bias"), nw = param_view(norm_weight, op, "norm_weight");
+  const int64_t C = p.conv_dim(), vdim = HV * dv;
+  OCRIA_RT_REQUIRE(proj.ndim == 2 && proj.dim(1) == C + vdim + 2 * HV, op,
+                   "proj " + proj.shape_str() + ", expected [T, " + std::to_string(C + vdim + 2 * HV) + "]");
+  OCRIA_RT_REQUIRE(out.ndim == 2 && out.dim(0) == T && out.dim(1) == vdim, op, "out " + out.shape_str());
+  OCRIA_RT_REQUIRE(conv_weight.numel() == C * K, op, "conv_weight " + conv_weight.shape_str());
+  OCRIA_RT_REQUIRE(conv_state.numel() == C * (K - 1) && conv_state.contiguous(), op,
+                   "conv_state " + conv_state.shape_str() + ", expected [C, K-1] contiguous");
+  OCRIA_RT_REQUIRE(state.numel() == HV * dk * dv && state.contiguous(), op, "state " + state.shape_str());
+  OCRIA_RT_REQUIRE(A_log.numel() == HV && dt_bias.numel() == HV, op, "A_log / dt_bias must have HV elements");
+  OCRIA_RT_REQUIRE(norm_weight.numel() == dv, op, "norm_weight must have v_head_dim elements");
+  activate();
+  // One cluster per key head: its HV / HK value heads' blocks (consecutive, as h / (HV / HK) groups them).
+  auto launch = [&](auto kernel) {
+    launch_pdl_cluster(launch_ctx(), "gdn_decode_kernel", unsigned(HV / HK), kernel, dim3(unsigned(HV)),
+                       dim3(kDecThreads), 0, proj.ptr<const bf16>(), proj.row_stride, cw, conv_state.ptr<float>(),
+                       a_log, dtb, nw, state.ptr<float>(), out.ptr<bf16>(), out.row_stride, int(T), int(HK), int(HV),
+                       int(dv), int(K), p.norm_eps);
+  };
+  switch (dk) {
+    case 16: launch(gdn_decode_kernel<16>); break;
+    case 32: launch(gdn_decode_kernel<32>); break;
+    case 64: launch(gdn_decode_kernel<64>); break;
+    case 128: launch(gdn_decode_kernel<128>); break;
+  }
 }
 
 }  // namespace ocria_rt
