@@ -121,7 +121,7 @@ class EngineImpl final : public Engine {
     const auto t0 = Clock::now();
     active_ = false;
     sampler_ = {sp.temperature, int32_t(std::min<int64_t>(sp.top_k, config_.vocab_size)), sp.top_p, sp.seed};
-    remaining_ = sp.max_new_tokens;
+    max_new_ = sp.max_new_tokens;
     const int32_t zero = 0, n = int32_t(prompt.size());
     backend_->copy_from_host(step_, &zero, DType::I32);
     const int64_t delta = prefill(prompt, prefill_chunk_, images, nullptr);
@@ -133,18 +133,22 @@ class EngineImpl final : public Engine {
     backend_->copy_from_host(decode_rope_position_, rope3, DType::I32);
     backend_->copy_to_host(&pending_, token_);
     active_ = true;
-    first_ = true;
+    returned_ = issued_ = 0;
     prefill_seconds_ = seconds_since(t0);
+    if (backend_->queues_work()) issue_steps_through(std::min<int64_t>(1, max_new_ - 1));
   }
 
   int32_t next_token() override {
     if (!active_) throw Error(ErrorCode::kInvalidArgument, "next_token() called without start() or after the sequence ended");
-    if (!first_) {
-      decode_step();
-      backend_->copy_to_host(&pending_, token_);
+    const int64_t k = returned_;  // token 0 comes from the prefill, token k >= 1 from decode step k
+    if (k > 0) {
+      // A backend that queues work has step k in flight already and gets step k + 1 before the wait
+      // for token k, so the device never idles on the host between steps (a generation that stops
+      // early has computed one step more than it returns). Step k + 1 reads into the other slot.
+      issue_steps_through(backend_->queues_work() ? std::min(k + 1, max_new_ - 1) : k);
+      pending_ = backend_->read_i32_wait(int(k % Backend::kReadSlots));
     }
-    first_ = false;
-    if (--remaining_ == 0) active_ = false;
+    if (++returned_ == max_new_) active_ = false;
     return pending_;
   }
 
@@ -261,6 +265,14 @@ class EngineImpl final : public Engine {
     backend_->increment(decode_rope_position_, 1);
   }
 
+  // Queues decode steps issued_ + 1 .. step, each with the read of its token into slot step % 2.
+  void issue_steps_through(int64_t step) {
+    for (; issued_ < step; ++issued_) {
+      decode_step();
+      backend_->read_i32_async(int((issued_ + 1) % Backend::kReadSlots), token_);
+    }
+  }
+
   void decode_step() {
     if (!use_graphs_) return decode_ops();
     const bool same_sampler = graph_sampler_.temperature == sampler_.temperature && graph_sampler_.top_k == sampler_.top_k &&
@@ -292,9 +304,10 @@ class EngineImpl final : public Engine {
   int64_t max_context_ = 0, prefill_chunk_ = 0;
 
   SamplerConfig sampler_;
-  bool active_ = false, first_ = false;
+  bool active_ = false;
   int32_t pending_ = 0;
-  int64_t remaining_ = 0;
+  int64_t max_new_ = 0;
+  int64_t returned_ = 0, issued_ = 0;  // tokens of this generation returned; decode steps queued
   double prefill_seconds_ = 0;
 };
 

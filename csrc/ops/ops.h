@@ -87,6 +87,15 @@ class Backend {
   virtual void fill_zero(const Tensor& t) = 0;
   virtual void synchronize() = 0;
 
+  // ---- reading a sampled token without draining the queue: read_i32_async(slot, src) queues a copy
+  // of the I32 scalar src behind the work issued so far, read_i32_wait(slot) waits for that copy only
+  // and returns the value. Two slots, so a decode step can be queued while the previous one's token is
+  // read. A synchronous backend (queues_work() false) copies at once. ----
+  static constexpr int kReadSlots = 2;
+  virtual bool queues_work() const { return false; }
+  virtual void read_i32_async(int slot, const Tensor& src) { copy_to_host(&read_slots_[slot], src); }
+  virtual int32_t read_i32_wait(int slot) { return read_slots_[slot]; }
+
   // ---- the ops of the Qwen3.5 text decoder ----
 
   // out[t, :] = table[ids[t], :]. ids I32 [T] (already validated against the vocabulary).
@@ -211,6 +220,9 @@ class Backend {
   virtual void end_capture() {}      // keeps the graph, replacing the previous one
   virtual void replay() {}
   virtual int64_t graph_kernels() const { return 0; }  // kernel nodes in the kept graph
+
+ private:
+  int32_t read_slots_[kReadSlots] = {0, 0};
 };
 
 std::unique_ptr<Backend> make_cpu_backend(int num_threads);

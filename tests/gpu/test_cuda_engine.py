@@ -142,6 +142,27 @@ def test_generations_in_a_row_do_not_leak():
     assert first == again
 
 
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_k": 20, "seed": 5}])
+def test_stopping_early_does_not_leak(sampling):
+    """The engine queues decode step k + 1 before it waits for token k, so a generation that ends at a
+    stop token, a cancelled stream or a short max_new_tokens has computed a step it never returned:
+    what follows must not see it."""
+    d = FIXTURES / "text_tied"
+    ref = load_reference("text_tied")
+    gpu = ocria_rt.Engine(d, device="cuda")
+    prompt = list(ref["greedy_prompt"])
+    full = gpu.generate(prompt, max_new_tokens=24, stop_token_ids=[], **sampling).token_ids
+    stop = full[5]
+    r = gpu.generate(prompt, max_new_tokens=24, stop_token_ids=[stop], **sampling)
+    assert r.finish_reason == "stop" and r.token_ids == full[: full.index(stop) + 1]
+    for n in (1, 2, 3):
+        assert gpu.generate(prompt, max_new_tokens=n, stop_token_ids=[], **sampling).token_ids == full[:n]
+    stream = gpu.stream(prompt, max_new_tokens=24, stop_token_ids=[], **sampling)
+    assert [next(stream) for _ in range(4)] == full[:4]
+    stream.close()  # cancelled with steps in flight
+    assert gpu.generate(prompt, max_new_tokens=24, stop_token_ids=[], **sampling).token_ids == full
+
+
 def test_long_context_chunked_prefill():
     d = FIXTURES / "text_tied"
     n = 33000

@@ -122,6 +122,9 @@ CudaBackend::CudaBackend(int device_index) : device_(device_index) {
       check_cuda(cudaMallocHost(&staging_[i], kStagingBytes), "cudaMallocHost (staging buffer)");
       check_cuda(cudaEventCreateWithFlags(&staging_done_[i], cudaEventDisableTiming), "cudaEventCreate");
     }
+    check_cuda(cudaMallocHost(&read_slots_host_, kReadSlots * sizeof(int32_t)), "cudaMallocHost (read slots)");
+    for (cudaEvent_t& e : read_done_)
+      check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
     reserve_workspace(kDefaultWorkspaceBytes);
   } catch (...) {
     free_resources();
@@ -155,6 +158,15 @@ void CudaBackend::free_resources() noexcept {
   if (graph_exec_) cudaGraphExecDestroy(graph_exec_);
   graph_exec_ = nullptr;
   if (workspace_) cudaFree(workspace_);
+<<<<<<< HEAD
+=======
+  if (read_slots_host_) cudaFreeHost(read_slots_host_);
+  read_slots_host_ = nullptr;
+  for (cudaEvent_t& e : read_done_) {
+    if (e) cudaEventDestroy(e);
+    e = nullptr;
+  }
+>>>>>>> ccb0970 (Decode keeps the next step queued while the host reads a token: two pinned read slots with events (Backend::read_i32_async / read_i32_wait), step k + 1 issued before the wait for token k; GEMV rule keeps 16 warps for few row tiles with short K (0.8B regressed with 8))
   for (int i = 0; i < 2; ++i) {
     if (staging_[i]) cudaFreeHost(staging_[i]);
     if (staging_done_[i]) cudaEventDestroy(staging_done_[i]);
@@ -311,6 +323,24 @@ void CudaBackend::fill_zero(const Tensor& t) {
     check_cuda(cudaMemset2DAsync(t.data, size_t(L.stride) * esz, 0, size_t(L.row_elems) * esz, size_t(L.rows), stream_),
                "cudaMemset2DAsync (fill_zero)");
   }
+}
+
+void CudaBackend::read_i32_async(int slot, const Tensor& src) {
+  OCRIA_RT_REQUIRE(slot >= 0 && slot < kReadSlots, "read_i32_async", "slot " + std::to_string(slot) + " out of range");
+  OCRIA_RT_REQUIRE(src.device == DeviceKind::CUDA && src.dtype == DType::I32 && src.numel() == 1, "read_i32_async",
+                   "expected one I32 element on the device, got " + src.shape_str());
+  OCRIA_RT_REQUIRE(!capturing_, "read_i32_async", "not allowed while a graph is being captured");
+  activate();
+  check_cuda(cudaMemcpyAsync(read_slots_host_ + slot, src.data, sizeof(int32_t), cudaMemcpyDeviceToHost, stream_),
+             "cudaMemcpyAsync (read_i32_async)");
+  check_cuda(cudaEventRecord(read_done_[slot], stream_), "cudaEventRecord (read_i32_async)");
+}
+
+int32_t CudaBackend::read_i32_wait(int slot) {
+  OCRIA_RT_REQUIRE(slot >= 0 && slot < kReadSlots, "read_i32_wait", "slot " + std::to_string(slot) + " out of range");
+  activate();
+  check_cuda(cudaEventSynchronize(read_done_[slot]), "cudaEventSynchronize (read_i32_wait)");
+  return read_slots_host_[slot];
 }
 
 void CudaBackend::synchronize() {

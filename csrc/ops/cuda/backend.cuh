@@ -210,6 +210,9 @@ class CudaBackend final : public Backend {
   void copy_to_host(void* dst, const Tensor& src) override;
   void fill_zero(const Tensor& t) override;
   void synchronize() override;
+  bool queues_work() const override { return true; }
+  void read_i32_async(int slot, const Tensor& src) override;
+  int32_t read_i32_wait(int slot) override;
 
   void embedding(const Tensor& table, const Tensor& ids, const Tensor& out) override;
   void linear(const Tensor& x, const LinearWeight& w, const Tensor& out) override;
@@ -276,6 +279,9 @@ class CudaBackend final : public Backend {
   static_assert(kStagingBytes <= kDefaultWorkspaceBytes, "copy_from_host stages F32 chunks in the workspace");
   void* staging_[2] = {nullptr, nullptr};
   cudaEvent_t staging_done_[2] = {nullptr, nullptr};
+  // read_i32_async's pinned landing slots and the events that mark each copy done
+  int32_t* read_slots_host_ = nullptr;
+  cudaEvent_t read_done_[kReadSlots] = {nullptr, nullptr};
   bool capturing_ = false;
   cudaGraphExec_t graph_exec_ = nullptr;
   int64_t graph_kernels_ = 0;
