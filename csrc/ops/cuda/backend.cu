@@ -158,15 +158,12 @@ void CudaBackend::free_resources() noexcept {
   if (graph_exec_) cudaGraphExecDestroy(graph_exec_);
   graph_exec_ = nullptr;
   if (workspace_) cudaFree(workspace_);
-<<<<<<< HEAD
-=======
   if (read_slots_host_) cudaFreeHost(read_slots_host_);
   read_slots_host_ = nullptr;
   for (cudaEvent_t& e : read_done_) {
     if (e) cudaEventDestroy(e);
     e = nullptr;
   }
->>>>>>> ccb0970 (Decode keeps the next step queued while the host reads a token: two pinned read slots with events (Backend::read_i32_async / read_i32_wait), step k + 1 issued before the wait for token k; GEMV rule keeps 16 warps for few row tiles with short K (0.8B regressed with 8))
   for (int i = 0; i < 2; ++i) {
     if (staging_[i]) cudaFreeHost(staging_[i]);
     if (staging_done_[i]) cudaEventDestroy(staging_done_[i]);
