@@ -4,7 +4,8 @@
     python scripts/train_ocr/smoke.py [--work /tmp/ocr-smoke] [--json result.json]
 
 1. the device-side pixel path equals ocria_rt.preprocess (transformers' processor) on a generated page,
-   and train.py's batched vision attention and longer torch GDN chunks equal transformers' defaults;
+   train.py's batched vision attention and longer torch GDN chunks equal transformers' defaults, and
+   AnswerLoss's optional image terms (--image-aux, --image-center) equal a direct float64 computation;
 2. train 6 steps in one run, and 3 + 3 steps with a resume in between (full checkpoints): the final
    weights must be identical (bit for bit);
 3. the same with compact checkpoints (BF16 weights, 8-bit moments): the resumed run goes on, close;
@@ -108,6 +109,39 @@ def check_reference_chunk_size() -> float:
     return max(float((a - b).norm() / b.norm()) for a, b in zip(got, ref))
 
 
+def check_image_losses() -> dict:
+    """AnswerLoss's optional image terms (--image-aux, --image-center) against a direct float64 computation
+    from the image features, and their gradient reaching the vision tower."""
+    cfg = common.model_config("smoke", 4096, common.token_ids(common.load_tokenizer(common.DEFAULT_TOKENIZER_DIR)))
+    builder = common.PromptBuilder(common.DEFAULT_TOKENIZER_DIR)
+    torch.manual_seed(0)
+    model = train.build_model(cfg, "sdpa")
+    rng = np.random.default_rng(0)
+    images = [rng.integers(0, 256, (64, 96, 3), dtype=np.uint8) for _ in range(3)]
+    b = train.pack_batch(builder, images, ["AB12", "hello world", "Z"], 4096)
+    pv, grid = train.pixels_on_device(b["images"], torch.device("cpu"))
+    args = (b["input_ids"], b["labels"], b["position_ids"], pv, grid)
+    end = builder.ids["<|im_end|>"]
+    plain = train.AnswerLoss(model, False)(*args).detach()
+    both = train.AnswerLoss(model, False, image_aux=0.5, end_id=end, image_center=0.25)(*args)
+    with torch.no_grad():
+        f = torch.stack(model.model.get_image_features(pv, grid).pooler_output).double()  # [B, T, D]
+        w = model.lm_head.weight.double()
+        p = (f * torch.rsqrt(f.square().mean(-1, keepdim=True) + 1e-30) @ w.T).softmax(-1).mean(1)  # [B, V]
+        bag = []
+        for i in range(len(images)):
+            toks = [t for t in b["labels"][i].tolist() if t != -100 and t != end]
+            bag.append(-sum(float(p[i, t].log()) for t in toks) / len(toks))
+        flat = f.reshape(-1, f.shape[-1])
+        center = float(flat.mean(0).square().sum() / flat.square().sum(1).mean())
+    ref = float(plain) + 0.5 * float(np.mean(bag)) + 0.25 * center
+    model.zero_grad()
+    both.backward()
+    vis_grad = float(sum(q.grad.square().sum() for q in model.model.visual.parameters() if q.grad is not None) ** 0.5)
+    return {"rel_err": abs(float(both) - ref) / abs(ref), "bag": float(np.mean(bag)), "center": center,
+            "vision_grad_norm": vis_grad}
+
+
 def torchrun(nproc: int, argv: list[str]) -> None:
     """train.py in `nproc` processes on this machine (gloo on CPU), launched as on the GPU machine."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
@@ -196,6 +230,8 @@ def main() -> None:
     res["gdn_chunk_128_vs_64_rel_err"] = check_reference_chunk_size()
     print("torch GDN reference, chunks of 128 vs 64:", res["gdn_chunk_128_vs_64_rel_err"], flush=True)
     print("pixels:", res["pixels_max_abs_diff_vs_preprocess"], flush=True)
+    res["image_losses"] = check_image_losses()
+    print("image aux / center losses vs float64:", res["image_losses"], flush=True)
 
     n, half = args.steps, args.steps // 2
     a, b, c = args.work / "straight", args.work / "resumed", args.work / "compact"
@@ -240,6 +276,7 @@ def main() -> None:
           and res["batched_vision_attention_rel_err"] < 1e-5 and res["gdn_chunk_128_vs_64_rel_err"] < 1e-5
           and res["batched_greedy"]["step_logits_rel_err_max"] < 1e-4
           and res["pixels_max_abs_diff_vs_preprocess"] < 1e-5
+          and res["image_losses"]["rel_err"] < 1e-5 and res["image_losses"]["vision_grad_norm"] > 0
           and (not isinstance(res["check_export"], dict)
                or (res["check_export"]["logits_rel_err"] < 1e-4 and res["check_export"]["greedy_equal"]
                    and res["check_export"]["greedy_no_stop_equal"])))

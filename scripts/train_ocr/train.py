@@ -121,20 +121,31 @@ def make_batch(spec: DataSpec, step: int, builder: PromptBuilder) -> dict:
     --accum): uint8 images, right-padded ids / labels / M-RoPE positions."""
     size, max_chars, n = spec.step_plan(step, len(builder.prompt_ids))
     cfg = spec.page_config(size=size, max_chars=max_chars)
-    w, h = size
+    images, answers, chars = [], [], 0
+    for j in range(n):
+        img, md, meta = synthdoc.generate_page(synthdoc.page_seed("train", step * PAGES_PER_STEP_MAX + j, spec.seed), cfg)
+        images.append(np.asarray(img, dtype=np.uint8))
+        answers.append(md)
+        chars += len(md)
+    return {"step": step, **pack_batch(builder, images, answers, spec.max_seq), "chars": chars}
+
+
+def pack_batch(builder: PromptBuilder, images: list[np.ndarray], answers: list[str], max_seq: int) -> dict:
+    """Images of one size (uint8 [H, W, 3], sides multiples of 32) and their answers (text) -> the training
+    tensors: images [B, H, W, 3], right-padded ids / labels (-100 but on the answer tokens) / M-RoPE
+    positions [3, B, L] (L a multiple of 64)."""
+    h, w = images[0].shape[:2]
     gh, gw = h // PATCH, w // PATCH
     prompt = builder.prompt(gh, gw)
     pad_id = builder.ids["<|endoftext|>"]
     img_id = builder.ids["<|image_pad|>"]
-    images, seqs, labs, n_ans, chars = [], [], [], 0, 0
-    for j in range(n):
-        img, md, meta = synthdoc.generate_page(synthdoc.page_seed("train", step * PAGES_PER_STEP_MAX + j, spec.seed), cfg)
-        ans = builder.answer(md)[: max(1, spec.max_seq - len(prompt))]
-        images.append(np.asarray(img, dtype=np.uint8))
+    seqs, labs, n_ans = [], [], 0
+    for text in answers:
+        ans = builder.answer(text)[: max(1, max_seq - len(prompt))]
         seqs.append(prompt + ans)
         labs.append([-100] * len(prompt) + ans)
         n_ans += len(ans)
-        chars += len(md)
+    n = len(seqs)
     L = max(len(s) for s in seqs)
     L = int(math.ceil(L / 64) * 64)
     ids = np.full((n, L), pad_id, dtype=np.int64)
@@ -147,9 +158,9 @@ def make_batch(spec: DataSpec, step: int, builder: PromptBuilder) -> dict:
         pos[:, i, : len(prompt)] = base
         nxt = base[0, -1] + 1
         pos[:, i, len(prompt):] = nxt + np.arange(L - len(prompt))
-    return {"step": step, "images": torch.from_numpy(np.stack(images)), "input_ids": torch.from_numpy(ids),
+    return {"images": torch.from_numpy(np.stack(images)), "input_ids": torch.from_numpy(ids),
             "labels": torch.from_numpy(labels), "position_ids": torch.from_numpy(pos),
-            "tokens": sum(len(s) for s in seqs), "answer_tokens": n_ans, "chars": chars, "pages": n}
+            "tokens": sum(len(s) for s in seqs), "answer_tokens": n_ans, "pages": n}
 
 
 class StepBatches(torch.utils.data.IterableDataset):
@@ -224,20 +235,59 @@ def build_model(config, attn: str):
 
 class AnswerLoss(torch.nn.Module):
     """The training forward: cross-entropy on the answer tokens, the LM head applied at those positions only
-    (never at image or prompt positions). One module, so that DistributedDataParallel wraps the whole of it."""
+    (never at image or prompt positions). One module, so that DistributedDataParallel wraps the whole of it.
 
-    def __init__(self, model, autocast: bool) -> None:
+    image_aux > 0 adds that multiple of image_bag_loss: a direct signal for the vision tower, which otherwise
+    learns only through a decoder that cannot use it yet (probe_reading.py: without it the image features
+    collapse to one vector within ~50 steps and the answer never depends on the image)."""
+
+    def __init__(self, model, autocast: bool, image_aux: float = 0.0, end_id: int = -100,
+                 image_center: float = 0.0) -> None:
         super().__init__()
-        self.model, self.autocast = model, autocast
+        self.model, self.autocast, self.image_aux, self.end_id = model, autocast, image_aux, end_id
+        self.image_center = image_center
 
     def forward(self, ids, labels, pos, pv, grid):
-        with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            hidden = self.model.model(input_ids=ids, pixel_values=pv, image_grid_thw=grid, position_ids=pos,
-                                      use_cache=False).last_hidden_state
-            tgt = labels[:, 1:]
-            sel = tgt != -100
-            logits = self.model.lm_head(hidden[:, :-1][sel])
-        return F.cross_entropy(logits.float(), tgt[sel])
+        feats: list[torch.Tensor] = []
+        merger = self.model.model.visual.merger
+        hook = merger.register_forward_hook(lambda m, i, out: feats.append(out)) if self.image_aux or self.image_center else None
+        try:
+            with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+                hidden = self.model.model(input_ids=ids, pixel_values=pv, image_grid_thw=grid, position_ids=pos,
+                                          use_cache=False).last_hidden_state
+                tgt = labels[:, 1:]
+                sel = tgt != -100
+                logits = self.model.lm_head(hidden[:, :-1][sel])
+        finally:
+            if hook is not None:
+                hook.remove()
+        loss = F.cross_entropy(logits.float(), tgt[sel])
+        if not feats:
+            return loss
+        self.terms = {"answer": loss.detach()}  # the last call's parts, unweighted (logged by rank 0)
+        if self.image_aux:
+            self.terms["image_aux"] = self.image_bag_loss(feats[0], labels, grid)
+            loss = loss + self.image_aux * self.terms["image_aux"]
+        if self.image_center:
+            f = feats[0].float()
+            self.terms["image_center"] = f.mean(0).square().sum() / f.square().sum(1).mean()
+            loss = loss + self.image_center * self.terms["image_center"]
+        return loss
+
+    def image_bag_loss(self, feats, labels, grid):
+        """Each image's merged tokens, read through the tied LM head as if they were token embeddings
+        (RMS-normalised), must together predict the bag of its answer's tokens (<|im_end|> left out):
+        -sum_v q(v) log( mean_t softmax(lm_head(rms(f_t)))_v ), q the answer's token frequencies."""
+        with torch.autocast(feats.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            logits = self.model.lm_head(F.rms_norm(feats, (feats.shape[-1],)))
+        logp = logits.float().log_softmax(-1)
+        keep = (labels != -100) & (labels != self.end_id)
+        q = torch.zeros(labels.shape[0], logp.shape[-1], device=logp.device)
+        q.scatter_add_(1, labels.clamp_min(0), keep.float())
+        q = q / q.sum(1, keepdim=True).clamp_min(1.0)
+        n = (grid.prod(-1) // (MERGE * MERGE)).tolist()
+        mix = torch.stack([torch.logsumexp(lp, 0) - math.log(lp.shape[0]) for lp in logp.split(n)])  # [B, V]
+        return -(q * mix).sum(1).mean()
 
 
 def make_optimizer(model: torch.nn.Module, sched: Schedule, weight_decay: float, device: torch.device):
@@ -490,6 +540,12 @@ def parse_args(argv=None):
                     help="body font size at a long side of 1024 (default 13 19)")
     ap.add_argument("--curriculum-steps", type=int, default=None,
                     help="ramp the character budget's upper end over these batches (default 2000)")
+    ap.add_argument("--image-aux", type=float, default=0.0,
+                    help="weight of AnswerLoss.image_bag_loss (each image's tokens predict its answer's token bag "
+                         "through the LM head); probe_reading.py needs it to learn to read at all")
+    ap.add_argument("--image-center", type=float, default=0.0,
+                    help="weight of the penalty on the common component of the image features (|mean f|^2 / mean |f|^2): "
+                         "without it they collapse to one vector within the first ~50 steps")
     ap.add_argument("--reuse", type=int, default=1,
                     help="steps per fresh batch: the others replay one of the last --replay-batches (when data-bound)")
     ap.add_argument("--replay-batches", type=int, default=8)
@@ -662,7 +718,7 @@ def main(argv=None) -> dict:
         use_reference_chunk_size(args.gdn_chunk)
         gdn["gdn_chunk"] = args.gdn_chunk
     run_info = {"event": "start", "step": rs.step, "preset": preset, "params": n_params, "device": str(device),
-                "ranks": world, "accum": args.accum,
+                "ranks": world, "accum": args.accum, "image_aux": args.image_aux, "image_center": args.image_center,
                 **gdn, "resumed_from": str(resume) if resume else None,
                 "optimizer_tensors_restored": restored, "torch": torch.__version__,
                 "transformers": transformers.__version__, "schedule": asdict(sched), "data": asdict(spec),
@@ -683,7 +739,8 @@ def main(argv=None) -> dict:
         StepBatches(spec, rs.batches + rank, world, str(tok_dir)), batch_size=None, num_workers=workers,
         pin_memory=device.type == "cuda", prefetch_factor=2 if workers else None, persistent_workers=False,
         worker_init_fn=ignore_sigterm)
-    forward = AnswerLoss(model, autocast)
+    forward = answer_loss = AnswerLoss(model, autocast, image_aux=args.image_aux, end_id=builder.ids["<|im_end|>"],
+                                       image_center=args.image_center)
     if world > 1:  # averages the gradients over the ranks during backward
         forward = torch.nn.parallel.DistributedDataParallel(forward, device_ids=[device.index] if device.type == "cuda" else None)
 
@@ -840,6 +897,8 @@ def main(argv=None) -> dict:
                    "answer_tokens_per_s": round(win["ans"] / dt), "pages_per_s": round(win["pages"] / dt, 2),
                    "steps_per_s": round((rs.step - win["step0"]) / dt, 3), "data_wait_frac": round(win["wait"] / dt, 3),
                    "batch_pages": batch["pages"], "seq_len": int(ids.shape[1]), "image_hw": list(batch["images"].shape[1:3])}
+            if args.image_aux or args.image_center:  # the loss above includes the image terms; rank 0's last batch:
+                rec["loss_terms"] = {k: round(float(v), 4) for k, v in answer_loss.terms.items()}
             if device.type == "cuda":
                 rec["max_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
             log(rec)
