@@ -15,6 +15,7 @@
 // lengths are read on the device, so a captured graph stays valid as the context grows (splits past
 // the end exit at once).
 // Above 16 tokens (head_dim 32, misaligned views) every token gets its own blocks without splits.
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <initializer_list>
@@ -28,8 +29,8 @@ namespace cuda {
 namespace {
 
 constexpr int kAttnWarps = 4;
-constexpr int kRowsPerIter = 4;  // K/V rows each warp loads before using them
-constexpr int kMinChunk = 64;
+constexpr int kMinChunk = 32;       // the shortest split (rows)
+constexpr int kMaxSplitTokens = 16;  // larger T: one split per (token, kv head)
 
 // ---------------------------------------------------------------------------------------------
 // attention_prepare: one warp per (token, q head or kv head).
@@ -112,14 +113,36 @@ __global__ void __launch_bounds__(kPrepWarps * 32)
 // attention (decode / verify / simple prefill)
 // ---------------------------------------------------------------------------------------------
 
+// Rows of a split: chunk = max(ceil(len / nsplit), kMinChunk); splits at or past ceil(len / chunk)
+// are empty. Both kernels derive this from the device-side length.
+__device__ __forceinline__ int split_chunk(int len, int nsplit) { return max((len + nsplit - 1) / nsplit, kMinChunk); }
+
+// K/V rows each warp has in one group: 4, or 2 where q and the accumulators already take 128
+// registers per lane (head_dim 256, groups of 5..8), so that two groups fit without spilling.
+template <int E, int GM> constexpr int attn_rows_per_group() { return E * GM >= 64 ? 2 : 4; }
+
+// Loads K and V rows r0 .. r0 + R - 1 (this lane's E elements); rows past `last` repeat row `last`
+// (valid memory; their scores are masked by the caller).
+template <int E, int R>
+__device__ __forceinline__ void load_kv_rows(const bf16* kbase, const bf16* vbase, int64_t ldc, int r0, int last,
+                                             Pack<bf16, E> (&kr)[R], Pack<bf16, E> (&vr)[R]) {
+#pragma unroll
+  for (int u = 0; u < R; ++u) {
+    const int64_t row = min(r0 + u, last);
+    kr[u] = load_pack<bf16, E>(kbase + row * ldc);
+    vr[u] = load_pack<bf16, E>(vbase + row * ldc);
+  }
+}
+
 // E: head_dim / 32 elements per lane; GM: the largest GQA group the instantiation handles.
 template <int E, int GM>
 __global__ void __launch_bounds__(kAttnWarps * 32)
     attention_kernel(const bf16* __restrict__ q, int64_t ldq, const bf16* __restrict__ k_cache,
                      const bf16* __restrict__ v_cache, int64_t ldc, const bf16* __restrict__ qkv, int64_t ldqkv,
-                     const int32_t* __restrict__ positions, float* __restrict__ part, bf16* __restrict__ out,
-                     int64_t ldo, int Hq, int G, int nsplit, float scale_log2) {
-  constexpr int HD = 32 * E;
+                     const int32_t* __restrict__ positions, float* __restrict__ part_acc,
+                     float2* __restrict__ part_ml, bf16* __restrict__ out, int64_t ldo, int Hq, int G, int nsplit,
+                     float scale_log2) {
+  constexpr int HD = 32 * E, R = attn_rows_per_group<E, GM>();
   __shared__ float m_s[kAttnWarps][GM], l_s[kAttnWarps][GM];
   __shared__ float acc_s[kAttnWarps][GM][HD];
   pdl_launch_dependents();
@@ -127,8 +150,10 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   pdl_wait();  // q, the caches and the positions come from earlier kernels
   const int len = positions[t] + 1;
-  const int chunk = max((len + nsplit - 1) / nsplit, kMinChunk);
-  const int start = split * chunk, end = min(len, start + chunk);
+  const int chunk = split_chunk(len, nsplit);
+  const int start = split * chunk;
+  if (start >= len) return;  // empty split: the combine kernel does not read it
+  const int end = min(len, start + chunk);
 
   // q of the group's heads, pre-scaled so that p = exp2(s - m).
   float qf[GM][E];
@@ -152,19 +177,20 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
     for (int e = 0; e < E; ++e) acc[g][e] = 0.0f;
   }
 
+  // Warp w takes the groups of R rows starting at start + R (w + kAttnWarps i). Software pipeline:
+  // the loads of a warp's next group are issued before it computes on the current one.
   const bf16* kbase = k_cache + int64_t(kvh) * HD + lane * E;
   const bf16* vbase = v_cache + int64_t(kvh) * HD + lane * E;
-  for (int r0 = start + warp * kRowsPerIter; r0 < end; r0 += kAttnWarps * kRowsPerIter) {
-    Pack<bf16, E> kr[kRowsPerIter], vr[kRowsPerIter];
+  constexpr int kStride = kAttnWarps * R;
+  int r0 = start + warp * R;
+  Pack<bf16, E> kr[R], vr[R];
+  if (r0 < end) load_kv_rows<E, R>(kbase, vbase, ldc, r0, end - 1, kr, vr);
+  for (; r0 < end; r0 += kStride) {
+    Pack<bf16, E> kn[R], vn[R];
+    load_kv_rows<E, R>(kbase, vbase, ldc, r0 + kStride, end - 1, kn, vn);  // past the end: row end - 1, unused
+    float s[R][GM];
 #pragma unroll
-    for (int u = 0; u < kRowsPerIter; ++u) {
-      const int row = min(r0 + u, end - 1);  // rows past the end are loaded (valid) but masked below
-      kr[u] = load_pack<bf16, E>(kbase + int64_t(row) * ldc);
-      vr[u] = load_pack<bf16, E>(vbase + int64_t(row) * ldc);
-    }
-    float s[kRowsPerIter][GM];
-#pragma unroll
-    for (int u = 0; u < kRowsPerIter; ++u) {
+    for (int u = 0; u < R; ++u) {
 #pragma unroll
       for (int g = 0; g < GM; ++g) {
         float d = 0.0f;
@@ -177,23 +203,29 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
     for (int g = 0; g < GM; ++g) {
       float mx = m[g];
 #pragma unroll
-      for (int u = 0; u < kRowsPerIter; ++u) mx = fmaxf(mx, s[u][g]);  // finite: row r0 is valid
-      const float corr = exp2f(m[g] - mx);                            // 0 on the first rows (m = -inf)
+      for (int u = 0; u < R; ++u) mx = fmaxf(mx, s[u][g]);  // finite: row r0 is valid
+      const float corr = exp2f(m[g] - mx);                 // 0 on the first rows (m = -inf)
       m[g] = mx;
       l[g] *= corr;
 #pragma unroll
       for (int e = 0; e < E; ++e) acc[g][e] *= corr;
 #pragma unroll
-      for (int u = 0; u < kRowsPerIter; ++u) {
+      for (int u = 0; u < R; ++u) {
         const float p = exp2f(s[u][g] - mx);
         l[g] += p;
 #pragma unroll
         for (int e = 0; e < E; ++e) acc[g][e] = fmaf(p, __bfloat162float(vr[u].v[e]), acc[g][e]);
       }
     }
+#pragma unroll
+    for (int u = 0; u < R; ++u) {
+      kr[u] = kn[u];
+      vr[u] = vn[u];
+    }
   }
 
-  // Merge the warps: M = max_w m_w, L = sum_w l_w 2^(m_w - M), A = sum_w acc_w 2^(m_w - M).
+  // Merge the warps: M = max_w m_w, L = sum_w l_w 2^(m_w - M), A = sum_w acc_w 2^(m_w - M). A warp
+  // without rows has m = -inf and weight 0; warp 0 always has row `start`, so M is finite.
 #pragma unroll
   for (int g = 0; g < GM; ++g) {
     if (lane == 0) {
@@ -210,65 +242,143 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
 #pragma unroll
     for (int w = 0; w < kAttnWarps; ++w) M = fmaxf(M, m_s[w][g]);
     float L = 0.0f, A = 0.0f;
-    if (M != -INFINITY) {
 #pragma unroll
-      for (int w = 0; w < kAttnWarps; ++w) {
-        const float f = exp2f(m_s[w][g] - M);
-        L = fmaf(l_s[w][g], f, L);
-        A = fmaf(acc_s[w][g][d], f, A);
-      }
+    for (int w = 0; w < kAttnWarps; ++w) {
+      const float f = exp2f(m_s[w][g] - M);
+      L = fmaf(l_s[w][g], f, L);
+      A = fmaf(acc_s[w][g][d], f, A);
     }
     if (nsplit == 1) {
       const float gate = __bfloat162float(qkv[int64_t(t) * ldqkv + int64_t(h) * 2 * HD + HD + d]);
       out[int64_t(t) * ldo + int64_t(h) * HD + d] = __float2bfloat16_rn(A / L * sigmoid(gate));
     } else {
-      float* pp = part + ((int64_t(t) * Hq + h) * nsplit + split) * (HD + 2);
-      pp[2 + d] = A;
-      if (d == 0) {
-        pp[0] = M;
-        pp[1] = L;
-      }
+      const int64_t slot = (int64_t(t) * Hq + h) * nsplit + split;
+      part_acc[slot * HD + d] = A;
+      if (d == 0) part_ml[slot] = make_float2(M, L);
     }
   }
 }
 
-// Merges the splits of one (token, q head): out = (sum_s A_s 2^(m_s - M)) / (sum_s L_s 2^(m_s - M)) * sigmoid(gate).
-__global__ void attention_combine_kernel(const float* __restrict__ part, const bf16* __restrict__ qkv, int64_t ldqkv,
-                                         bf16* __restrict__ out, int64_t ldo, int Hq, int hd, int nsplit) {
+// Merges the non-empty splits of one (token, q head), kCombineCols columns of it per block:
+// out = (sum_s A_s w_s) / (sum_s L_s w_s) * sigmoid(gate), w_s = 2^(m_s - M), M = max_s m_s.
+// The block first forms the weights (threads over splits), then sums A_s w_s with threads over
+// (group of splits, 4 columns) and 16-byte loads, and finally adds up the groups in shared memory.
+constexpr int kCombineThreads = 256;
+constexpr int kCombineCols = 128;
+constexpr int kMaxSplits = 1024;
+
+__global__ void __launch_bounds__(kCombineThreads)
+    attention_combine_kernel(const float* __restrict__ part_acc, const float2* __restrict__ part_ml,
+                             const int32_t* __restrict__ positions, const bf16* __restrict__ qkv, int64_t ldqkv,
+                             bf16* __restrict__ out, int64_t ldo, int Hq, int hd, int nsplit) {
+  __shared__ float w_s[kMaxSplits];
+  __shared__ float red[32];
+  __shared__ float4 sum_s[kCombineThreads];
   pdl_launch_dependents();
+  const int cols = min(hd, kCombineCols), slices = hd / cols;
+  const int h = blockIdx.x / slices, col0 = (blockIdx.x % slices) * cols, t = blockIdx.y;
   pdl_wait();  // the partial results come from attention_kernel
-  const int h = blockIdx.x, t = blockIdx.y;
-  const float* pp = part + (int64_t(t) * Hq + h) * nsplit * (hd + 2);
+  const int len = positions[t] + 1;
+  const int active = (len + split_chunk(len, nsplit) - 1) / split_chunk(len, nsplit);
+  const int64_t slot0 = (int64_t(t) * Hq + h) * nsplit;
+
+  float mx = -INFINITY;
+  for (int s = threadIdx.x; s < active; s += blockDim.x) mx = fmaxf(mx, part_ml[slot0 + s].x);
+  mx = warp_max(mx);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = mx;
+  __syncthreads();
   float M = -INFINITY;
-  for (int s = 0; s < nsplit; ++s) M = fmaxf(M, pp[int64_t(s) * (hd + 2)]);
-  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-    float L = 0.0f, A = 0.0f;
-    for (int s = 0; s < nsplit; ++s) {
-      const float* ps = pp + int64_t(s) * (hd + 2);
-      if (ps[0] == -INFINITY) continue;  // empty split
-      const float f = exp2f(ps[0] - M);
-      L = fmaf(ps[1], f, L);
-      A = fmaf(ps[2 + d], f, A);
-    }
+  for (int w = 0; w < kCombineThreads / 32; ++w) M = fmaxf(M, red[w]);  // finite: split 0 has row 0
+  float l = 0.0f;
+  for (int s = threadIdx.x; s < active; s += blockDim.x) {
+    const float2 ml = part_ml[slot0 + s];
+    const float w = exp2f(ml.x - M);
+    w_s[s] = w;
+    l = fmaf(ml.y, w, l);
+  }
+  const float L = block_sum(l, red);  // its __syncthreads also publishes w_s
+
+  const int quads = cols / 4, groups = kCombineThreads / quads;
+  const int quad = threadIdx.x % quads, group = threadIdx.x / quads;
+  const float* src = part_acc + slot0 * hd + col0 + 4 * quad;
+  float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 4
+  for (int s = group; s < active; s += groups) {
+    const float4 v = *reinterpret_cast<const float4*>(src + int64_t(s) * hd);
+    const float w = w_s[s];
+    a.x = fmaf(v.x, w, a.x);
+    a.y = fmaf(v.y, w, a.y);
+    a.z = fmaf(v.z, w, a.z);
+    a.w = fmaf(v.w, w, a.w);
+  }
+  sum_s[threadIdx.x] = a;  // column col0 + c of group g sits at float g * cols + c
+  __syncthreads();
+  if (threadIdx.x < cols) {
+    const float* sums = reinterpret_cast<const float*>(sum_s);
+    float A = 0.0f;
+    for (int g = 0; g < groups; ++g) A += sums[g * cols + threadIdx.x];
+    const int d = col0 + threadIdx.x;
     const float gate = __bfloat162float(qkv[int64_t(t) * ldqkv + int64_t(h) * 2 * hd + hd + d]);
     out[int64_t(t) * ldo + int64_t(h) * hd + d] = __float2bfloat16_rn(A / L * sigmoid(gate));
   }
 }
 
-template <int E>
-void launch_attention_e(int GM, dim3 grid, const bf16* q, int64_t ldq, const bf16* kc, const bf16* vc, int64_t ldc,
-                        const bf16* qkv, int64_t ldqkv, const int32_t* pos, float* part, bf16* out, int64_t ldo, int Hq,
-                        int G, int nsplit, float scale_log2, const LaunchCtx& ctx) {
-  auto launch = [&](auto kernel) {
-    launch_pdl(ctx, "attention_kernel", kernel, grid, kAttnWarps * 32, 0, q, ldq, kc, vc, ldc, qkv, ldqkv, pos, part,
-               out, ldo, Hq, G, nsplit, scale_log2);
-  };
-  switch (GM) {
-    case 1: launch(attention_kernel<E, 1>); break;
-    case 2: launch(attention_kernel<E, 2>); break;
-    case 4: launch(attention_kernel<E, 4>); break;
-    default: launch(attention_kernel<E, 8>); break;
+// Resident blocks per SM of attention_kernel<E, GM> (registers and shared memory decide).
+template <int E, int GM> int attention_blocks_per_sm() {
+  static const int blocks = [] {
+    int n = 0;
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, attention_kernel<E, GM>, kAttnWarps * 32, 0),
+               "cudaOccupancyMaxActiveBlocksPerMultiprocessor (attention_kernel)");
+    return std::max(n, 1);
+  }();
+  return blocks;
+}
+
+struct DecodeArgs {
+  const bf16 *q, *k_cache, *v_cache, *qkv;
+  int64_t ldq, ldc, ldqkv, ldo;
+  const int32_t* positions;
+  bf16* out;
+  int T, Hq, Hkv, hd, G;
+  int64_t capacity;  // cache rows
+  float scale_log2;
+  void* workspace;
+  size_t workspace_bytes;
+  int sm_count;
+};
+
+template <int E, int GM> void launch_attention_decode(const DecodeArgs& a, const LaunchCtx& ctx) {
+  // Splits, for T <= kMaxSplitTokens: one wave of blocks over the (token, kv head) pairs, bounded by
+  // the cache capacity (kMinChunk-row chunks), the combine kernel's weight buffer and the workspace.
+  // The lengths are only known on the device: a short context leaves the splits past its end empty.
+  int64_t nsplit = 1;
+  if (a.T <= kMaxSplitTokens) {
+    const int64_t pairs = int64_t(a.T) * a.Hkv, wave = int64_t(attention_blocks_per_sm<E, GM>()) * a.sm_count;
+    const int64_t per_split = int64_t(a.T) * a.Hq * (a.hd + 2) * int64_t(sizeof(float));
+    nsplit = std::min({wave / pairs, (a.capacity + kMinChunk - 1) / kMinChunk, int64_t(kMaxSplits),
+                       int64_t(a.workspace_bytes) / per_split});
+    nsplit = std::max<int64_t>(nsplit, 1);
   }
+  // Workspace: acc [T, Hq, nsplit, hd] floats, then (m, L) [T, Hq, nsplit] float2.
+  float* part_acc = static_cast<float*>(a.workspace);
+  float2* part_ml = reinterpret_cast<float2*>(part_acc + int64_t(a.T) * a.Hq * nsplit * a.hd);
+  const dim3 grid{unsigned(nsplit), unsigned(a.Hkv), unsigned(a.T)};
+  launch_pdl(ctx, "attention_kernel", attention_kernel<E, GM>, grid, kAttnWarps * 32, 0, a.q, a.ldq, a.k_cache,
+             a.v_cache, a.ldc, a.qkv, a.ldqkv, a.positions, part_acc, part_ml, a.out, a.ldo, a.Hq, a.G, int(nsplit),
+             a.scale_log2);
+  if (nsplit > 1) {
+    const int slices = a.hd / std::min(a.hd, kCombineCols);
+    launch_pdl(ctx, "attention_combine_kernel", attention_combine_kernel, dim3(unsigned(a.Hq * slices), unsigned(a.T)),
+               kCombineThreads, 0, part_acc, part_ml, a.positions, a.qkv, a.ldqkv, a.out, a.ldo, a.Hq, a.hd,
+               int(nsplit));
+  }
+}
+
+template <int E> void launch_attention_decode_e(const DecodeArgs& a, const LaunchCtx& ctx) {
+  if (a.G <= 1) launch_attention_decode<E, 1>(a, ctx);
+  else if (a.G <= 2) launch_attention_decode<E, 2>(a, ctx);
+  else if (a.G <= 4) launch_attention_decode<E, 4>(a, ctx);
+  else launch_attention_decode<E, 8>(a, ctx);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -666,50 +776,32 @@ void CudaBackend::attention(const Tensor& q, const Tensor& k_cache, const Tensor
     launch_flash_hd(int(hd), a, int(Hq), stream_);
     return;
   }
-  const int GM = G <= 1 ? 1 : G <= 2 ? 2 : G <= 4 ? 4 : 8;
-  const int64_t max_ctx = k_cache.dim(0);
-  // Splits: enough blocks for ~4 per SM at decode, none for prefill-sized T; bounded by the cache
-  // length (64-row minimum chunks) and by the workspace.
-  int64_t nsplit = 1;
-  if (T <= 16) {
-    const int64_t pairs = T * Hkv;
-    nsplit = std::max<int64_t>(1, (4 * int64_t(sm_count_) + pairs - 1) / pairs);
-    nsplit = std::min<int64_t>(nsplit, std::max<int64_t>(1, (max_ctx + kMinChunk - 1) / kMinChunk));
-    const int64_t per_split = T * Hq * (hd + 2) * int64_t(sizeof(float));
-    nsplit = std::min<int64_t>(nsplit, int64_t(workspace_bytes_) / per_split);
-    nsplit = std::max<int64_t>(nsplit, 1);
-  }
-  const float scale_log2 = p.scale * 1.4426950408889634f;
-  dim3 grid{unsigned(nsplit), unsigned(Hkv), unsigned(T)};
-  float* part = static_cast<float*>(workspace_);
-  const int64_t ldq = q.row_stride;
-  auto* qp = q.ptr<const bf16>();
-  auto* kc = k_cache.ptr<const bf16>();
-  auto* vc = v_cache.ptr<const bf16>();
-  auto* gp = qkv.ptr<const bf16>();
-  auto* pp = positions.ptr<const int32_t>();
+  DecodeArgs a;
+  a.q = q.ptr<const bf16>();
+  a.k_cache = k_cache.ptr<const bf16>();
+  a.v_cache = v_cache.ptr<const bf16>();
+  a.qkv = qkv.ptr<const bf16>();
+  a.ldq = q.row_stride;
+  a.ldc = ldc;
+  a.ldqkv = qkv.row_stride;
+  a.ldo = out.row_stride;
+  a.positions = positions.ptr<const int32_t>();
+  a.out = out.ptr<bf16>();
+  a.T = int(T);
+  a.Hq = int(Hq);
+  a.Hkv = int(Hkv);
+  a.hd = int(hd);
+  a.G = G;
+  a.capacity = k_cache.dim(0);
+  a.scale_log2 = p.scale * 1.4426950408889634f;
+  a.workspace = workspace_;
+  a.workspace_bytes = workspace_bytes_;
+  a.sm_count = sm_count_;
   switch (hd) {
-    case 32:
-      launch_attention_e<1>(GM, grid, qp, ldq, kc, vc, ldc, gp, qkv.row_stride, pp, part, out.ptr<bf16>(),
-                            out.row_stride, int(Hq), G, int(nsplit), scale_log2, launch_ctx());
-      break;
-    case 64:
-      launch_attention_e<2>(GM, grid, qp, ldq, kc, vc, ldc, gp, qkv.row_stride, pp, part, out.ptr<bf16>(),
-                            out.row_stride, int(Hq), G, int(nsplit), scale_log2, launch_ctx());
-      break;
-    case 128:
-      launch_attention_e<4>(GM, grid, qp, ldq, kc, vc, ldc, gp, qkv.row_stride, pp, part, out.ptr<bf16>(),
-                            out.row_stride, int(Hq), G, int(nsplit), scale_log2, launch_ctx());
-      break;
-    default:
-      launch_attention_e<8>(GM, grid, qp, ldq, kc, vc, ldc, gp, qkv.row_stride, pp, part, out.ptr<bf16>(),
-                            out.row_stride, int(Hq), G, int(nsplit), scale_log2, launch_ctx());
-      break;
-  }
-  if (nsplit > 1) {
-    launch_pdl(launch_ctx(), "attention_combine_kernel", attention_combine_kernel, dim3(unsigned(Hq), unsigned(T)),
-               unsigned(std::min<int64_t>(hd, 256)), 0, part, gp, qkv.row_stride, out.ptr<bf16>(), out.row_stride,
-               int(Hq), int(hd), int(nsplit));
+    case 32: launch_attention_decode_e<1>(a, launch_ctx()); break;
+    case 64: launch_attention_decode_e<2>(a, launch_ctx()); break;
+    case 128: launch_attention_decode_e<4>(a, launch_ctx()); break;
+    default: launch_attention_decode_e<8>(a, launch_ctx()); break;
   }
 }
 
