@@ -201,6 +201,38 @@ void register_op_runner(py::module_& m) {
                               r.upload(qkv, r.act()), r.upload_i32(positions), p, out);
              return r.download(out);
            })
+      .def("attention_steps",
+           [](OpRunner& r, F32Array q, F32Array k_cache, F32Array v_cache, F32Array qkv, I32Array positions, int64_t hq,
+              int64_t hkv, int64_t hd, int64_t steps, int32_t advance) {
+             // `steps` runs of one attention op on the same tensors, the positions advancing by `advance`
+             // (on the device) after each, as in a decode step: where the backend has graphs, the op and
+             // the increment are captured once and the graph is replayed. Returns [steps, T, hq * hd].
+             AttentionParams p = attn_params(hq, hkv, hd, hd, 10000.0f, 1e-6f);
+             const py::ssize_t T = q.shape(0);
+             Tensor qt = r.upload(q, r.act()), kc = r.upload(k_cache, r.act()), vc = r.upload(v_cache, r.act());
+             Tensor g = r.upload(qkv, r.act()), pos = r.upload_i32(positions), out = r.poisoned({T, hq * hd}, r.act());
+             auto step = [&] {
+               r.be().attention(qt, kc, vc, g, pos, p, out);
+               r.be().increment(pos, advance);
+             };
+             const bool graph = r.be().supports_graphs();
+             if (graph) {
+               r.be().begin_capture();
+               step();
+               r.be().end_capture();
+             }
+             py::array_t<float> result({py::ssize_t(steps), T, py::ssize_t(hq * hd)});
+             const std::vector<float> nan(size_t(T * hq * hd), NAN);
+             for (int64_t i = 0; i < steps; ++i) {
+               r.be().copy_from_host(out, nan.data(), DType::F32);
+               if (graph) r.be().replay();
+               else step();
+               r.be().copy_to_host(result.mutable_data(i), out);
+             }
+             return result;
+           },
+           py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("qkv"), py::arg("positions"), py::arg("hq"),
+           py::arg("hkv"), py::arg("hd"), py::arg("steps"), py::arg("advance"))
       .def("gdn_conv", [](OpRunner& r, F32Array x, F32Array w, F32Array state) {
         Tensor st = r.upload(state, DType::F32), out = r.poisoned({x.shape(0), x.shape(1)}, r.act());
         r.be().gdn_conv(r.upload(x, r.act()), r.upload(w, DType::F32), st, out);

@@ -182,6 +182,67 @@ def test_attention_positions_not_contiguous(cpu, gpu):
     assert relerr(gpu.attention(q, kc, vc, qkv, pos, hq, hkv, hd), cpu.attention(q, kc, vc, qkv, pos, hq, hkv, hd)) <= OUT_TOL
 
 
+# Decode (T <= 16) against a cache larger than the context, as in the engine: the number of splits is
+# fixed from the capacity, the lengths (and so the chunk size and the non-empty splits) come from the
+# positions on the device. The kernel's splits are max(ceil(len / nsplit), 32) rows.
+DECODE_CASES = [
+    # hq, hkv, hd, T, first position, cache rows
+    (16, 4, 256, 1, 0, 32768),  # a single row: one non-empty split out of many
+    (16, 4, 256, 1, 40, 32768),  # two minimum-size splits, the second partial
+    (16, 4, 256, 1, 1023, 32768),  # 1k context
+    (16, 4, 256, 1, 8190, 8192),
+    (16, 4, 256, 1, 32767, 32768),  # the whole cache: every split full
+    (16, 4, 256, 3, 777, 4096),  # lengths not a multiple of the chunk
+    (16, 4, 256, 16, 2000, 4096),  # T = 16: each token its own length
+    (16, 4, 256, 16, 10, 64),  # T = 16 at the start of a small cache
+    (8, 8, 128, 2, 5000, 6000),  # no GQA
+    (8, 4, 128, 5, 100, 20000),  # group of 2
+    (10, 2, 128, 1, 3000, 4000),  # group of 5
+    (8, 1, 256, 4, 999, 2048),  # group of 8 with head_dim 256
+    (12, 2, 64, 7, 513, 1024),  # group of 6
+    (4, 2, 32, 12, 64, 200),
+    (4, 4, 32, 1, 3, 16),  # a 16-row cache: one split, the block writes the output itself
+    (6, 2, 64, 1, 31, 32),  # one split, a full chunk
+    (14, 2, 128, 9, 4000, 4500),  # group of 7
+]
+
+
+@pytest.mark.parametrize("hq,hkv,hd,T,start,rows", DECODE_CASES)
+def test_attention_decode(cpu, gpu, hq, hkv, hd, T, start, rows):
+    rng = np.random.default_rng(hq * hd + T * 7 + start + rows)
+    q = randn(rng, T, hq, hd, scale=2)  # peaked softmax rows too
+    kc, vc = randn(rng, rows, hkv, hd), randn(rng, rows, hkv, hd)
+    qkv = randn(rng, T, (2 * hq + 2 * hkv) * hd)
+    pos = np.arange(start, start + T, dtype=np.int32)
+    assert relerr(gpu.attention(q, kc, vc, qkv, pos, hq, hkv, hd), cpu.attention(q, kc, vc, qkv, pos, hq, hkv, hd)) <= OUT_TOL
+
+
+REPLAY_CASES = [
+    # hq, hkv, hd, T, first position, cache rows, steps, positions advance per step
+    (16, 4, 256, 1, 0, 8192, 7, 1201),  # 1 row, then 1202, ... 7207 rows
+    (16, 4, 256, 4, 30, 4096, 6, 613),
+    (8, 1, 128, 2, 3, 3000, 5, 700),  # group of 8, head_dim 128
+    (4, 2, 64, 16, 0, 1024, 4, 250),
+    (4, 4, 32, 1, 0, 100, 5, 24),  # a few splits: 1 row up to all four splits non-empty
+]
+
+
+@pytest.mark.parametrize("hq,hkv,hd,T,start,rows,steps,advance", REPLAY_CASES)
+def test_attention_decode_replay(cpu, gpu, hq, hkv, hd, T, start, rows, steps, advance):
+    """One attention op captured in a CUDA graph and replayed while the positions grow on the device,
+    as the engine's decode step does: the split count stays the capture's, the lengths do not."""
+    rng = np.random.default_rng(hq * hd + T + rows + steps)
+    q = randn(rng, T, hq, hd, scale=2)
+    kc, vc = randn(rng, rows, hkv, hd), randn(rng, rows, hkv, hd)
+    qkv = randn(rng, T, (2 * hq + 2 * hkv) * hd)
+    pos = np.arange(start, start + T, dtype=np.int32)
+    got = gpu.attention_steps(q, kc, vc, qkv, pos, hq, hkv, hd, steps, advance)
+    assert got.shape == (steps, T, hq * hd)
+    for i in range(steps):
+        want = cpu.attention(q, kc, vc, qkv, pos + i * advance, hq, hkv, hd)
+        assert relerr(got[i], want) <= OUT_TOL, f"step {i}"
+
+
 # ---- attention prefill (T > 16): the tensor-core flash kernel ----
 
 FLASH_CASES = [

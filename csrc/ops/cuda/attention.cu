@@ -134,6 +134,30 @@ __device__ __forceinline__ void load_kv_rows(const bf16* kbase, const bf16* vbas
   }
 }
 
+// Sums each of N values (N a power of two <= 32) over the warp with N - 1 + log2(32 / N) shuffles
+// instead of 5 N: each butterfly step halves the values a lane carries (it keeps the half selected by
+// its lane bit and adds the partner's copy of that half). Lane i ends with the total of value
+// i / (32 / N); v is clobbered. (Recursion over the steps keeps every index of v a constant.)
+template <int N, int Half> __device__ __forceinline__ void transposed_sum_steps(float (&v)[N], int lane) {
+  if constexpr (Half >= 1) {
+    constexpr int offset = 32 * Half / N;
+    const bool upper = lane & offset;
+#pragma unroll
+    for (int j = 0; j < Half; ++j) {
+      const float send = upper ? v[j] : v[j + Half], keep = upper ? v[j + Half] : v[j];
+      v[j] = keep + __shfl_xor_sync(0xffffffffu, send, offset);
+    }
+    transposed_sum_steps<N, Half / 2>(v, lane);
+  }
+}
+template <int N> __device__ __forceinline__ float warp_sum_transposed(float (&v)[N], int lane) {
+  transposed_sum_steps<N, N / 2>(v, lane);
+  float total = v[0];
+#pragma unroll
+  for (int offset = 16 / N; offset > 0; offset >>= 1) total += __shfl_xor_sync(0xffffffffu, total, offset);
+  return total;
+}
+
 // E: head_dim / 32 elements per lane; GM: the largest GQA group the instantiation handles.
 template <int E, int GM>
 __global__ void __launch_bounds__(kAttnWarps * 32)
@@ -188,7 +212,9 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   for (; r0 < end; r0 += kStride) {
     Pack<bf16, E> kn[R], vn[R];
     load_kv_rows<E, R>(kbase, vbase, ldc, r0 + kStride, end - 1, kn, vn);  // past the end: row end - 1, unused
-    float s[R][GM];
+    // Scores: lane partial dot products of the R x GM (row, head) pairs, summed over the warp and
+    // broadcast back (every lane then holds the same scores, so branches on them are uniform).
+    float dots[R * GM];
 #pragma unroll
     for (int u = 0; u < R; ++u) {
 #pragma unroll
@@ -196,7 +222,17 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
         float d = 0.0f;
 #pragma unroll
         for (int e = 0; e < E; ++e) d = fmaf(qf[g][e], __bfloat162float(kr[u].v[e]), d);
-        s[u][g] = r0 + u < end ? warp_sum(d) : -INFINITY;
+        dots[u * GM + g] = d;
+      }
+    }
+    const float total = warp_sum_transposed<R * GM>(dots, lane);
+    float s[R][GM];
+#pragma unroll
+    for (int u = 0; u < R; ++u) {
+#pragma unroll
+      for (int g = 0; g < GM; ++g) {
+        const float sc = __shfl_sync(0xffffffffu, total, (u * GM + g) * (32 / (R * GM)));
+        s[u][g] = r0 + u < end ? sc : -INFINITY;
       }
     }
 #pragma unroll
@@ -204,14 +240,16 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
       float mx = m[g];
 #pragma unroll
       for (int u = 0; u < R; ++u) mx = fmaxf(mx, s[u][g]);  // finite: row r0 is valid
-      const float corr = exp2f(m[g] - mx);                 // 0 on the first rows (m = -inf)
-      m[g] = mx;
-      l[g] *= corr;
+      if (mx > m[g]) {  // rescale only when the running max grows
+        const float corr = exp2f(m[g] - mx);  // 0 on the first rows (m = -inf)
+        m[g] = mx;
+        l[g] *= corr;
 #pragma unroll
-      for (int e = 0; e < E; ++e) acc[g][e] *= corr;
+        for (int e = 0; e < E; ++e) acc[g][e] *= corr;
+      }
 #pragma unroll
       for (int u = 0; u < R; ++u) {
-        const float p = exp2f(s[u][g] - mx);
+        const float p = exp2f(s[u][g] - m[g]);
         l[g] += p;
 #pragma unroll
         for (int e = 0; e < E; ++e) acc[g][e] = fmaf(p, __bfloat162float(vr[u].v[e]), acc[g][e]);
