@@ -6,14 +6,16 @@
 //
 // attention, decode (T <= 16) and the shapes flash_attention does not take: flash-decoding. Block
 // (split, kv head, token) covers cache rows [split * chunk, (split + 1) * chunk) of 0..positions[t],
-// chunk = max(ceil(len / splits), 64), for all q heads of its kv head (GQA group) at once, so K / V
-// rows are read once per group. Each of the 4 warps runs an online softmax over its own rows
-// (lane = 1/32 of head_dim, 16-byte loads of K and V rows, scores reduced with shuffles); the warps
-// merge in shared memory. With one split the block writes the output; otherwise it writes (max, sum,
-// unnormalised acc) to the workspace and a combine kernel merges the splits. The number of splits is
-// a launch constant chosen from the cache size and the number of (token, kv head) pairs; the actual
-// lengths are read on the device, so a captured graph stays valid as the context grows (splits past
-// the end exit at once).
+// chunk = max(ceil(len / splits), 32), for all q heads of its kv head (GQA group) at once, so K / V
+// rows are read once per group. Each of the 4 warps runs an online softmax over its own groups of
+// 4 (or 2) rows (lane = 1/32 of head_dim, 16-byte loads of K and V rows, the next group's loads
+// issued before the current group is used, the group's (row, head) scores summed with one transposed
+// butterfly); the warps merge in shared memory. With one split the block writes the output;
+// otherwise it writes (max, sum) and the unnormalised acc to the workspace and a combine kernel
+// merges the non-empty splits. The number of splits is a launch constant: one wave of blocks (the
+// kernel's occupancy) over the (token, kv head) pairs, bounded by the cache capacity; both kernels
+// read the actual lengths on the device, so a captured graph stays valid as the context grows
+// (splits past the end exit at once and are not read).
 // Above 16 tokens (head_dim 32, misaligned views) every token gets its own blocks without splits.
 #include <algorithm>
 #include <climits>
@@ -318,6 +320,9 @@ __global__ void __launch_bounds__(kCombineThreads)
   pdl_wait();  // the partial results come from attention_kernel
   const int len = positions[t] + 1;
   const int active = (len + split_chunk(len, nsplit) - 1) / split_chunk(len, nsplit);
+  const int d = col0 + threadIdx.x;  // the output column of threads < cols
+  const bf16* gate_row = qkv + int64_t(t) * ldqkv + int64_t(h) * 2 * hd + hd;
+  const float gate = threadIdx.x < cols ? __bfloat162float(gate_row[d]) : 0.0f;
   const int64_t slot0 = (int64_t(t) * Hq + h) * nsplit;
 
   float mx = -INFINITY;
@@ -355,8 +360,6 @@ __global__ void __launch_bounds__(kCombineThreads)
     const float* sums = reinterpret_cast<const float*>(sum_s);
     float A = 0.0f;
     for (int g = 0; g < groups; ++g) A += sums[g * cols + threadIdx.x];
-    const int d = col0 + threadIdx.x;
-    const float gate = __bfloat162float(qkv[int64_t(t) * ldqkv + int64_t(h) * 2 * hd + hd + d]);
     out[int64_t(t) * ldo + int64_t(h) * hd + d] = __float2bfloat16_rn(A / L * sigmoid(gate));
   }
 }
