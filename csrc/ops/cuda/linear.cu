@@ -1,8 +1,8 @@
 // linear: out[M, N] = x[M, K] · W[N, K]^T (+ bias), BF16 in, fp32 accumulate.
 //
 // Dispatch on M (tokens):
-//  - M <= 16: skinny GEMM that streams W once (decode / speculative verify are memory bound). See
-//    skinny_gemm_kernel below.
+//  - M <= 16: skinny GEMM that streams W once (decode / speculative verify are memory bound), with
+//    split-K where there are few row tiles. See skinny_gemm_kernel below.
 //  - M > 16: CUTLASS sm90 TMA/wgmma GEMM (linear_gemm_sm90.cu), bias added by a second kernel.
 //  - anything the two cannot take (K or a stride not a multiple of 8, misaligned views, F32 output
 //    for M > 16): a simple shared-memory tiled kernel.
