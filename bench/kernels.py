@@ -1,9 +1,12 @@
 """Kernel benchmarks of the CUDA backend on OCRia-1 (Qwen3.5-4B text) shapes, each beside its ceiling.
 
-    python bench/kernels.py OUT.json [--reps 10] [--skip-prefill]
+    python bench/kernels.py OUT.json [--reps 10] [--skip-prefill] [--ksplit-sweep 2,3,4,6,8]
 
 - linear, decode / verify (M = 1..16 tokens): achieved bandwidth (weight bytes + activations) against
-  the measured device-to-device copy bandwidth (bytes read + written per second);
+  the measured device-to-device copy bandwidth (bytes read + written per second), and beside it the
+  time with the skinny GEMM's split-K off (a second backend with OCRIA_RT_SKINNY_KSPLIT=1; the main
+  figures use whatever the environment says, normally the automatic choice); --ksplit-sweep adds
+  M = 1 / 16 with split-K forced to each listed count;
 - linear, prefill (M = 8192): TFLOP/s against torch.matmul (cuBLAS) on the same shapes, same run;
 - Gated DeltaNet recurrence per layer at T = 1 and 16, against the time to read and write the fp32
   state once; GDN prefill (the chunked kernels) at T = 1k / 4k / 8k beside the token-serial
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -50,6 +54,22 @@ PREFILL_M = 8192
 ATTN_CONTEXTS = [1024, 8192, 32768]
 ATTN_PREFILL_T = [1024, 4096, 8192]
 GDN_PREFILL_T = [1024, 4096, 8192]
+
+
+def kernel_bench(core, ksplit: str | None):
+    """A KernelBench whose CUDA backend reads OCRIA_RT_SKINNY_KSPLIT = ksplit when it is constructed
+    (None: the environment as it is)."""
+    if ksplit is None:
+        return core.KernelBench("cuda")
+    saved = os.environ.get("OCRIA_RT_SKINNY_KSPLIT")
+    os.environ["OCRIA_RT_SKINNY_KSPLIT"] = ksplit
+    try:
+        return core.KernelBench("cuda")
+    finally:
+        if saved is None:
+            del os.environ["OCRIA_RT_SKINNY_KSPLIT"]
+        else:
+            os.environ["OCRIA_RT_SKINNY_KSPLIT"] = saved
 
 
 def med(xs: list[float]) -> float:
@@ -155,38 +175,66 @@ def main() -> None:
     ap.add_argument("--skip-prefill", action="store_true",
                     help="skip the M = 8192 GEMMs and the attention prefill (and torch)")
     ap.add_argument("--skip-linear", action="store_true", help="skip the linear layers (decode and prefill)")
+    ap.add_argument("--ksplit-sweep", default="",
+                    help="comma-separated skinny-GEMM split counts to time at M = 1 / 16 (e.g. 2,3,4,6,8)")
     args = ap.parse_args()
 
     from ocria_rt import _core
 
-    kb = _core.KernelBench("cuda")
+    kb = kernel_bench(_core, None)
+    ksplit_mode = os.environ.get("OCRIA_RT_SKINNY_KSPLIT", "0")
     bw, bw_source = copy_bandwidth(kb, args.reps)
     print(f"device: {device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s ({bw_source})", flush=True)
     results: dict = {"device": device_name(), "copy_bandwidth_Bps": bw, "copy_bandwidth_source": bw_source,
                      "linear_decode": [], "linear_prefill": [], "gdn": [], "gdn_prefill": [], "attention": [],
-                     "attention_prefill": [],
-                     "sample": []}
+                     "attention_prefill": [], "linear_decode_ksplit_sweep": [],
+                     "sample": [], "skinny_ksplit": ksplit_mode}
     summary: list[dict] = []
 
-    # ---- linear, M <= 16: weight streaming ----
+    # ---- linear, M <= 16: weight streaming (and the same without split-K) ----
     rows = []
+    kb_off = None if args.skip_linear else kernel_bench(_core, "1")
     for name, N, K in ([] if args.skip_linear else LINEAR_SHAPES):
         for M in DECODE_M:
             nbytes = 2 * (N * K + M * K + M * N)
             us = med(kb.linear(M, N, K, iters=iters_for(nbytes / bw), reps=args.reps))
+            us_off = med(kb_off.linear(M, N, K, iters=iters_for(nbytes / bw), reps=args.reps))
             got = nbytes / (us * 1e-6)
             r = {"shape": name, "M": M, "N": N, "K": K, "us": round(us, 2), "TB/s": round(got / 1e12, 3),
-                 "of copy BW": f"{got / bw:.0%}"}
+                 "of copy BW": f"{got / bw:.0%}", "no split-K us": round(us_off, 2),
+                 "split-K gain": f"{us_off / us:.2f}x"}
             rows.append(r)
             results["linear_decode"].append({**r, "bytes": nbytes, "fraction_of_copy_bw": got / bw})
             if M in (1, 16):
                 summary.append({"kernel": f"linear {name}", "case": f"M={M} N={N} K={K}", "time": f"{us:.1f} us",
                                 "achieved": f"{got / 1e12:.2f} TB/s", "reference": f"copy {bw / 1e12:.2f} TB/s",
                                 "ratio": f"{got / bw:.0%}"})
-        print(f"linear {name}: " + ", ".join(f"M={r['M']} {r['us']} us {r['of copy BW']}" for r in rows[-5:]),
+        print(f"linear {name}: " + ", ".join(f"M={r['M']} {r['us']} us {r['of copy BW']} "
+                                             f"(no split-K {r['no split-K us']} us)" for r in rows[-5:]),
               flush=True)
-    print("\n## Linear, decode / verify (weight streaming)\n")
-    print(markdown_table(rows, ["shape", "M", "N", "K", "us", "TB/s", "of copy BW"]))
+    del kb_off
+    print(f"\n## Linear, decode / verify (weight streaming; OCRIA_RT_SKINNY_KSPLIT={ksplit_mode} vs 1)\n")
+    print(markdown_table(rows, ["shape", "M", "N", "K", "us", "TB/s", "of copy BW", "no split-K us", "split-K gain"]))
+
+    # ---- linear, M = 1 / 16 with split-K forced to each count of --ksplit-sweep ----
+    sweep = [k.strip() for k in args.ksplit_sweep.split(",") if k.strip()]
+    if sweep and not args.skip_linear:
+        rows = []
+        for k in sweep:
+            kb_k = kernel_bench(_core, k)
+            for name, N, K in LINEAR_SHAPES:
+                for M in (1, 16):
+                    nbytes = 2 * (N * K + M * K + M * N)
+                    us = med(kb_k.linear(M, N, K, iters=iters_for(nbytes / bw), reps=args.reps))
+                    got = nbytes / (us * 1e-6)
+                    r = {"ksplit": k, "shape": name, "M": M, "N": N, "K": K, "us": round(us, 2),
+                         "of copy BW": f"{got / bw:.0%}"}
+                    rows.append(r)
+                    results["linear_decode_ksplit_sweep"].append({**r, "fraction_of_copy_bw": got / bw})
+            del kb_k
+            print(f"split-K sweep: {k} done", flush=True)
+        print("\n## Linear, decode with split-K forced (OCRIA_RT_SKINNY_KSPLIT; capped by K and the scratch)\n")
+        print(markdown_table(rows, ["ksplit", "shape", "M", "N", "K", "us", "of copy BW"]))
 
     # ---- linear, M = 8192: CUTLASS vs cuBLAS ----
     if not args.skip_prefill and not args.skip_linear:

@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include <cmath>
+#include <optional>
 #include <vector>
 
 #include "ops/ops.h"
@@ -101,13 +102,18 @@ void register_op_runner(py::module_& m) {
         r.be().embedding(t, i, out);
         return r.download(out);
       })
-      .def("linear", [](OpRunner& r, F32Array x, F32Array w) {
-        LinearWeight lw;
-        lw.weight = r.upload(w, r.wt());
-        Tensor xt = r.upload(x, r.act()), out = r.poisoned({x.shape(0), w.shape(0)}, r.act());
-        r.be().linear(xt, lw, out);
-        return r.download(out);
-      })
+      .def(
+          "linear",
+          [](OpRunner& r, F32Array x, F32Array w, std::optional<F32Array> bias, bool out_f32) {
+            LinearWeight lw;
+            lw.weight = r.upload(w, r.wt());
+            if (bias) lw.bias = r.upload(*bias, DType::F32);
+            Tensor xt = r.upload(x, r.act());
+            Tensor out = r.poisoned({x.shape(0), w.shape(0)}, out_f32 ? DType::F32 : r.act());
+            r.be().linear(xt, lw, out);
+            return r.download(out);
+          },
+          py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::arg("out_f32") = false)
       .def("linear_swiglu", [](OpRunner& r, F32Array gate_up, F32Array w) {
         LinearWeight lw;
         lw.weight = r.upload(w, r.wt());

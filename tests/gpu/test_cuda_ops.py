@@ -98,21 +98,81 @@ def test_linear_swiglu(cpu, gpu, T, I, N):
     assert relerr(gpu.linear_swiglu(gu, w), cpu.linear_swiglu(gu, w)) <= OUT_TOL
 
 
+# ---- skinny GEMM split-K: K in ranges over several blocks, the last block of a tile sums them ----
+
+# M, K, N, forced splits. Odd N (a partial last row tile), K a multiple of 8 but not of 32 (a partial
+# last chunk), more splits than chunks per warp; both block configurations (16 warps where
+# tiles * splits < 4 * SMs, else 8) with one and two token tiles (M <= 8, M > 8); 9 splits of K = 264
+# (9 chunks: one chunk per split, most warps idle). The first two are OCRIA-1's o_proj and a fused
+# in_proj shape.
+SPLITK_CASES = [
+    (1, 4096, 2560, 4), (3, 1000, 999, 3), (8, 2632, 1001, 5), (9, 4104, 77, 7), (16, 9216, 2560, 4),
+    (3, 2560, 12352, 2), (16, 264, 250, 9),
+]
+
+
+@pytest.fixture(scope="module")
+def gpu_ksplit():
+    """CUDA runners with OCRIA_RT_SKINNY_KSPLIT = k (read when the backend is constructed), one per k."""
+    runners = {}
+
+    def get(k: int):
+        if k not in runners:
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("OCRIA_RT_SKINNY_KSPLIT", str(k))
+                runners[k] = _core.OpRunner("cuda")
+        return runners[k]
+
+    return get
+
+
+@pytest.mark.parametrize("out_f32", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("M,K,N,ksplit", SPLITK_CASES)
+def test_linear_splitk(cpu, gpu_ksplit, M, K, N, ksplit, with_bias, out_f32):
+    """Forced split-K against the CPU; three calls on one backend give the same bits (the tile
+    counters are back at zero after each launch, and the partials are summed in a fixed order)."""
+    rng = np.random.default_rng(M * 7919 + K * 31 + N + ksplit)
+    x, w = randn(rng, M, K), randn(rng, N, K, scale=K**-0.5)
+    bias = randn(rng, N) if with_bias else None
+    want = cpu.linear(x, w, bias)
+    gpu = gpu_ksplit(ksplit)
+    first = gpu.linear(x, w, bias, out_f32)
+    assert relerr(first, want) <= OUT_TOL
+    for _ in range(2):
+        np.testing.assert_array_equal(gpu.linear(x, w, bias, out_f32), first)
+
+
+@pytest.mark.parametrize("T,I,N,ksplit", [(1, 9216, 2560, 4), (3, 1000, 999, 3), (9, 2632, 250, 5),
+                                          (16, 9216, 2560, 4)])
+def test_linear_swiglu_splitk(cpu, gpu_ksplit, T, I, N, ksplit):
+    """The fused decode MLP down projection (activation formed while loading) with split-K."""
+    rng = np.random.default_rng(T + I + N + ksplit)
+    gu, w = randn(rng, T, 2 * I, scale=2), randn(rng, N, I, scale=I ** -0.5)
+    gpu = gpu_ksplit(ksplit)
+    first = gpu.linear_swiglu(gu, w)
+    assert relerr(first, cpu.linear_swiglu(gu, w)) <= OUT_TOL
+    np.testing.assert_array_equal(gpu.linear_swiglu(gu, w), first)
+
+
 # ---- programmatic dependent launch: dependent kernels back to back ----
 
-# (M, H, I): H = 2560 with I = 4608 takes both skinny-GEMM configurations (gate_up N = 9216: 8 warps
-# per tile; down N = 2560: 16 warps) with their L2 weight prefetch; the odd shape mixes PDL kernels
-# with ordinary launches (unfused silu_mul + fallback GEMM, K % 8 != 0).
+# (M, H, I): H = 2560 with I = 4608 takes both skinny-GEMM configurations without split-K (gate_up
+# N = 9216: 8 warps per tile; down N = 2560: 16 warps) with their L2 weight prefetch; the odd shape
+# mixes PDL kernels with ordinary launches (unfused silu_mul + fallback GEMM, K % 8 != 0).
 CHAIN_CASES = [(1, 2560, 4608), (5, 2560, 4608), (16, 2560, 4608), (3, 1000, 1500)]
 
 
+@pytest.mark.parametrize("ksplit", ["1", "0", "3"])
 @pytest.mark.parametrize("M,H,I", CHAIN_CASES)
-def test_dependent_op_chain(cpu, monkeypatch, M, H, I):
+def test_dependent_op_chain(cpu, monkeypatch, M, H, I, ksplit):
     """add_rms_norm -> linear -> linear_swiglu three times, then add_rms_norm, enqueued without host
     synchronisation in between, so that with PDL each kernel starts while its predecessor still runs
     and buffers are rewritten while earlier kernels may still read them. Against the CPU, and bit
     for bit against the same chain with PDL off (same kernels, same arithmetic: a missing
-    pdl_wait() shows as a difference)."""
+    pdl_wait() shows as a difference). Skinny-GEMM split-K off, automatic (both GEMMs of the 2560 /
+    4608 shapes split) and forced to 3 splits everywhere (back-to-back launches share the scratch)."""
+    monkeypatch.setenv("OCRIA_RT_SKINNY_KSPLIT", ksplit)
     rng = np.random.default_rng(M + H + I)
     res, delta = randn(rng, M, H, scale=3), randn(rng, M, H)
     norm_w = randn(rng, H, scale=0.1)

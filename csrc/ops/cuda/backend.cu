@@ -103,6 +103,8 @@ CudaBackend::CudaBackend(int device_index) : device_(device_index) {
   pdl_ = !(pdl_env && std::strcmp(pdl_env, "0") == 0);
   const char* fused_env = std::getenv("OCRIA_RT_GDN_FUSED");
   gdn_fused_ = !(fused_env && std::strcmp(fused_env, "0") == 0);
+  const char* ksplit_env = std::getenv("OCRIA_RT_SKINNY_KSPLIT");
+  skinny_ksplit_ = ksplit_env ? std::max(0, std::atoi(ksplit_env)) : 0;
   int count = 0;
   check_cuda(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
   if (device_index < 0 || device_index >= count)
@@ -126,6 +128,8 @@ CudaBackend::CudaBackend(int device_index) : device_(device_index) {
     for (cudaEvent_t& e : read_done_)
       check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
     reserve_workspace(kDefaultWorkspaceBytes);
+    check_cuda(cudaMalloc(&splitk_scratch_, kSplitKBytes), "cudaMalloc (split-K scratch)");
+    check_cuda(cudaMemsetAsync(splitk_scratch_, 0, kSplitKCounterBytes, stream_), "cudaMemsetAsync (split-K counters)");
   } catch (...) {
     free_resources();
     throw;
@@ -158,6 +162,8 @@ void CudaBackend::free_resources() noexcept {
   if (graph_exec_) cudaGraphExecDestroy(graph_exec_);
   graph_exec_ = nullptr;
   if (workspace_) cudaFree(workspace_);
+  if (splitk_scratch_) cudaFree(splitk_scratch_);
+  splitk_scratch_ = nullptr;
   if (read_slots_host_) cudaFreeHost(read_slots_host_);
   read_slots_host_ = nullptr;
   for (cudaEvent_t& e : read_done_) {

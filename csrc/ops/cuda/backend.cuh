@@ -189,6 +189,10 @@ class CudaBackend final : public Backend {
   // Whether gdn_decode runs its fused kernel where it applies (OCRIA_RT_GDN_FUSED != "0" in the
   // environment when the backend was constructed; "0" runs the three ops, for comparison).
   bool gdn_fused() const { return gdn_fused_; }
+  // K splits of the skinny GEMM (linear with M <= 16, linear.cu): OCRIA_RT_SKINNY_KSPLIT in the
+  // environment when the backend was constructed; 0 (unset) chooses per shape, 1 turns split-K off,
+  // n > 1 asks for n splits (capped by K and by the split-K scratch), for comparison.
+  int skinny_ksplit() const { return skinny_ksplit_; }
   // Grows the op workspace to at least `bytes` (it starts at kDefaultWorkspaceBytes). Call before
   // capturing graphs; ops never allocate. Sampling of R rows of V logits needs about R * V * 4 bytes
   // (rows beyond what fits are processed in several launches), attention about
@@ -197,6 +201,12 @@ class CudaBackend final : public Backend {
   void reserve_workspace(size_t bytes);
   size_t workspace_bytes() const { return workspace_bytes_; }
   static constexpr size_t kDefaultWorkspaceBytes = size_t(64) << 20;
+  // Split-K scratch of the skinny GEMM, apart from the workspace (its tile counters must stay zero
+  // between launches): (row tile, split) pairs it holds, one 16 x 16 fp32 partial tile each, and
+  // counters for the at most kSplitKSlots / 2 tiles of a split launch.
+  static constexpr int64_t kSplitKSlots = 4096;
+  static constexpr size_t kSplitKCounterBytes = size_t(kSplitKSlots / 2) * sizeof(uint32_t);
+  static constexpr size_t kSplitKBytes = kSplitKCounterBytes + size_t(kSplitKSlots) * 16 * 16 * sizeof(float);
 
   const char* name() const override { return "cuda"; }
   DeviceKind device() const override { return DeviceKind::CUDA; }
@@ -267,11 +277,15 @@ class CudaBackend final : public Backend {
   int sm_count_ = 0;
   bool pdl_ = true;
   bool gdn_fused_ = true;
+  int skinny_ksplit_ = 0;
   cudaStream_t stream_ = nullptr;
   // Op scratch, shared by all ops: kernels on the one stream only touch it after pdl_wait(), when
   // every earlier kernel has completed.
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
+  // kSplitKBytes: the counters (zeroed once; the last block of a tile resets its counter), then the
+  // partial tiles. Only touched after pdl_wait(), like the workspace.
+  void* splitk_scratch_ = nullptr;
   // Pinned staging for host copies: two halves, so that filling one chunk on the host overlaps
   // the transfer of the previous one. An F32 -> BF16 copy_from_host passes each chunk through the
   // workspace, which therefore holds at least one half.

@@ -1,12 +1,13 @@
 // linear: out[M, N] = x[M, K] · W[N, K]^T (+ bias), BF16 in, fp32 accumulate.
 //
 // Dispatch on M (tokens):
-//  - M <= 16: skinny GEMM that streams W once (decode / speculative verify are memory bound). See
-//    skinny_gemm_kernel below.
+//  - M <= 16: skinny GEMM that streams W once (decode / speculative verify are memory bound), with
+//    split-K where there are few row tiles. See skinny_gemm_kernel below.
 //  - M > 16: CUTLASS sm90 TMA/wgmma GEMM (linear_gemm_sm90.cu), bias added by a second kernel.
 //  - anything the two cannot take (K or a stride not a multiple of 8, misaligned views, F32 output
 //    for M > 16): a simple shared-memory tiled kernel.
 #include <algorithm>
+#include <type_traits>
 
 #include "ops/cuda/backend.cuh"
 #include "ops/cuda/linear.cuh"
@@ -38,9 +39,17 @@ namespace {
 // block) is read straight from L1.
 //
 // Programmatic dependent launch: W is read-only, so a block issues the ring's first S - 1 stages
-// (K range [0, kpre), kpre = (S - 1) * U * WARPS * 32) and an L2 prefetch of the next pf_bytes of
-// each of its 16 rows before pdl_wait(); only then does it read x. The weight stream thereby starts
-// while the kernels before it (norms, attention, the DeltaNet chain) still run.
+// (K range [0, kpre) of its own K range, kpre = (S - 1) * U * WARPS * 32) and an L2 prefetch of the
+// next pf_bytes of each of its 16 rows before pdl_wait(); only then does it read x. The weight
+// stream thereby starts while the kernels before it (norms, attention, the DeltaNet chain) still run.
+//
+// Split-K (SPLIT, grid.y = ksplit > 1): few row tiles (N = 2560: 160 tiles on 132 SMs) leave SMs with
+// one tile next to SMs with two. Block (tile, s) then takes the s-th of ksplit contiguous, balanced
+// ranges of 32-wide K chunks, writes its fp32 partial tile to SplitKScratch::partials after
+// pdl_wait(), and counts itself in on the tile's counter; the block that completes the count sums the
+// ksplit partials in split order (deterministic whichever block is last), adds the bias, stores, and
+// resets the counter to 0 for the next launch (graph replays included). Without SPLIT the kernel is
+// the one-block-per-tile kernel it always was.
 // ---------------------------------------------------------------------------------------------
 
 template <class T> __device__ __forceinline__ void store_out(T* p, float v);
@@ -65,20 +74,31 @@ __device__ __forceinline__ uint4 swiglu8(uint4 g, uint4 u) {
   return r;
 }
 
+// Split-K scratch (CudaBackend::splitk_scratch_): one counter per row tile, zero between launches,
+// and one partial tile of 16 rows x 8 NT tokens per (tile, split), [tile][split][token][row].
+struct SplitKScratch {
+  unsigned* counters = nullptr;
+  float* partials = nullptr;
+};
+
 // Requirements (checked by the caller): K % 8 == 0, ldx % 8 == 0, ldw % 8 == 0, x and w 16-byte
-// aligned, 1 <= M <= 8 * NT; pf_bytes a multiple of 16 with kpre + pf_bytes / 2 <= K (or 0).
-// Dynamic shared memory: skinny_smem_bytes<WARPS, U, S>().
+// aligned, 1 <= M <= 8 * NT; pf_bytes a multiple of 16 with kpre + pf_bytes / 2 no larger than a
+// block's K range (or 0). Dynamic shared memory: skinny_smem_bytes<WARPS, U, S>().
 // GLU: x is a fused [gate | up] row and the GEMM input is silu(gate) * up, formed while loading
 // (up starts glu_off elements after gate), so the MLP's activation needs no kernel of its own.
-template <int WARPS, int NT, int U, int S, bool GLU, class OutT>
+// SPLIT: gridDim.y splits of K (at most one per chunk), scratch for gridDim.x tiles x gridDim.y splits.
+template <int WARPS, int NT, int U, int S, bool GLU, bool SPLIT, class OutT>
 __global__ void __launch_bounds__(WARPS * 32)
     skinny_gemm_kernel(const bf16* __restrict__ x, int64_t ldx, int64_t glu_off, int M, const bf16* __restrict__ w,
                        int64_t ldw, int N, int K, uint32_t pf_bytes, ParamView bias, bool has_bias,
-                       OutT* __restrict__ out, int64_t ldo) {
+                       OutT* __restrict__ out, int64_t ldo, SplitKScratch scratch) {
   pdl_launch_dependents();
   constexpr int NTH = WARPS * 32;
-  extern __shared__ uint4 wring[];      // [S][U][2 rows][NTH]: a thread's slots are column tid
-  __shared__ float red[WARPS][16][16];  // [warp][W row][token]
+  // The ring follows the static `red` (a multiple of 128 bytes) and must stay 128-byte aligned:
+  // add no other static shared variable here.
+  extern __shared__ __align__(128) uint4 wring[];  // [S][U][2 rows][NTH]: a thread's slots are column tid
+  __shared__ float red[WARPS][16][16];             // [warp][W row][token]
+  static_assert(sizeof(red) % 128 == 0, "the dynamic ring after `red` must stay 128-byte aligned");
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int n0 = blockIdx.x * 16;
@@ -93,16 +113,23 @@ __global__ void __launch_bounds__(WARPS * 32)
     xr[j] = x + int64_t(tok_ok[j] ? g + 8 * j : 0) * ldx + 8 * t;
   }
 
-  const int nchunks = (K + 31) >> 5;  // 32-wide K chunks; warp w takes w, w + WARPS, ...
-  const int my_chunks = warp < nchunks ? (nchunks - warp + WARPS - 1) / WARPS : 0;
+  // 32-wide K chunks [c_lo, c_hi) of this block; warp w takes c_lo + w, c_lo + w + WARPS, ...
+  const int nchunks = (K + 31) >> 5;
+  int c_lo = 0, c_hi = nchunks;
+  if constexpr (SPLIT) {
+    c_lo = int(int64_t(nchunks) * blockIdx.y / gridDim.y);
+    c_hi = int(int64_t(nchunks) * (blockIdx.y + 1) / gridDim.y);
+  }
+  const int span = c_hi - c_lo;
+  const int my_chunks = warp < span ? (span - warp + WARPS - 1) / WARPS : 0;
   const int iters = (my_chunks + U - 1) / U;
   // K % 8 == 0: a thread's 16-byte piece of a chunk is all in range or all out.
-  auto piece_in = [&](int c) { return c < nchunks && c * 32 + 8 * t < K; };
+  auto piece_in = [&](int c) { return c < c_hi && c * 32 + 8 * t < K; };
   auto issue = [&](int it) {  // stage `it` of this thread into ring slot it % S
     uint4* slot = wring + (it % S) * U * 2 * NTH + tid;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int c = warp + WARPS * (it * U + u);
+      const int c = c_lo + warp + WARPS * (it * U + u);
       const bool in = it < iters && piece_in(c);
       const int k = in ? c * 32 : 0;
       cp_async16(slot + (2 * u) * NTH, w0 + k, in && row_ok0 ? 16 : 0);
@@ -118,7 +145,7 @@ __global__ void __launch_bounds__(WARPS * 32)
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) issue(s);
   if (tid < 16 && pf_bytes > 0 && n0 + tid < N)
-    prefetch_l2(w + int64_t(n0 + tid) * ldw + skinny_prologue_k<WARPS, U, S>(), pf_bytes);
+    prefetch_l2(w + int64_t(n0 + tid) * ldw + c_lo * 32 + skinny_prologue_k<WARPS, U, S>(), pf_bytes);
   pdl_wait();  // earlier kernels have completed: x may be read, out written
   const uint4 zero = make_uint4(0, 0, 0, 0);
   for (int it = 0; it < iters; ++it) {
@@ -127,7 +154,7 @@ __global__ void __launch_bounds__(WARPS * 32)
     const uint4* slot = wring + (it % S) * U * 2 * NTH + tid;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int c = warp + WARPS * (it * U + u);
+      const int c = c_lo + warp + WARPS * (it * U + u);
       const bool in = piece_in(c);
       const uint4 wa = slot[(2 * u) * NTH], wb = slot[(2 * u + 1) * NTH];
 #pragma unroll
@@ -153,16 +180,39 @@ __global__ void __launch_bounds__(WARPS * 32)
     red[warp][g + 8][8 * j + 2 * t + 1] = acc[j][3];
   }
   __syncthreads();
-  if (tid < 16 * 8 * NT) {
-    const int row = tid & 15, tok = tid >> 4;
-    const int n = n0 + row;
-    if (n < N && tok < M) {
-      float sum = 0.0f;
+  constexpr int kTileElems = 16 * 8 * NT;
+  const int row = tid & 15, tok = tid >> 4;
+  const int n = n0 + row;
+  const bool owner = tid < kTileElems && n < N && tok < M;  // this thread's output element
+  float sum = 0.0f;
+  if (owner) {
 #pragma unroll
-      for (int i = 0; i < WARPS; ++i) sum += red[i][row][tok];
-      if (has_bias) sum += bias[n];
-      store_out(out + int64_t(tok) * ldo + n, sum);
+    for (int i = 0; i < WARPS; ++i) sum += red[i][row][tok];
+  }
+  if constexpr (SPLIT) {
+    const int splits = gridDim.y;
+    float* tile_partials = scratch.partials + int64_t(blockIdx.x) * splits * kTileElems;
+    if (owner) {
+      __stcg(tile_partials + blockIdx.y * kTileElems + tid, sum);
+      __threadfence();  // the partial is visible device-wide before the count says so
     }
+    __syncthreads();
+    bool last = false;
+    if (tid == 0) last = atomicAdd(&scratch.counters[blockIdx.x], 1u) == unsigned(splits - 1);
+    if (!__syncthreads_or(last)) return;
+    // The last block of this tile: every split's partial is written.
+    if (tid == 0) scratch.counters[blockIdx.x] = 0;
+    __threadfence();
+    if (owner) {
+      float total = 0.0f;
+      for (int s = 0; s < splits; ++s)
+        total += s == int(blockIdx.y) ? sum : __ldcg(tile_partials + s * kTileElems + tid);
+      sum = total;
+    }
+  }
+  if (owner) {
+    if (has_bias) sum += bias[n];
+    store_out(out + int64_t(tok) * ldo + n, sum);
   }
 }
 
@@ -226,43 +276,83 @@ __global__ void add_bias_kernel(bf16* __restrict__ out, int64_t ldo, int M, int 
 // the 50 MB L2 so that the prefetched lines are still there when the blocks reach them.
 constexpr int64_t kL2PrefetchBudget = int64_t(16) << 20;
 
-template <int WARPS, int NT, int U, int S, bool GLU, class OutT>
+template <int WARPS, int NT, int U, int S, bool GLU, bool SPLIT, class OutT>
 void launch_skinny_cfg(const bf16* x, int64_t ldx, int64_t glu_off, int M, const bf16* w, int64_t ldw, int N, int K,
-                       ParamView bias, bool has_bias, OutT* out, int64_t ldo, const LaunchCtx& ctx) {
+                       ParamView bias, bool has_bias, OutT* out, int64_t ldo, int ksplit, SplitKScratch scratch,
+                       const LaunchCtx& ctx) {
   constexpr int smem = skinny_smem_bytes<WARPS, U, S>();
-  auto kernel = skinny_gemm_kernel<WARPS, NT, U, S, GLU, OutT>;
+  auto kernel = skinny_gemm_kernel<WARPS, NT, U, S, GLU, SPLIT, OutT>;
   // Once per instantiation (thread-safe static initialisation); allowed during graph capture.
   static const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   check_cuda(attr, "cudaFuncSetAttribute (skinny_gemm_kernel)");
-  // L2 prefetch per row: the rest of the row after the prologue, within the budget; whole 128-byte
+  // L2 prefetch per row: the rest of the block's K range after the prologue (the shortest range of
+  // a split, less one chunk for the last one's ragged end), within the budget; whole 128-byte
   // lines; none when it would be too little to matter (many rows).
   constexpr int kpre = skinny_prologue_k<WARPS, U, S>();
-  const int64_t rest = K > kpre ? int64_t(K - kpre) * int64_t(sizeof(bf16)) : 0;
-  int64_t pf = std::min(rest, kL2PrefetchBudget / N) & ~int64_t(127);
+  const int64_t kspan = SPLIT ? int64_t((K + 31) / 32 / ksplit - 1) * 32 : K;
+  const int64_t rest = kspan > kpre ? (kspan - kpre) * int64_t(sizeof(bf16)) : 0;
+  int64_t pf = std::min(rest, kL2PrefetchBudget / (int64_t(N) * ksplit)) & ~int64_t(127);
   if (pf < 1024) pf = 0;
-  launch_pdl(ctx, "skinny_gemm_kernel", kernel, dim3((N + 15) / 16), WARPS * 32, smem, x, ldx, glu_off, M, w, ldw, N,
-             K, uint32_t(pf), bias, has_bias, out, ldo);
+  launch_pdl(ctx, "skinny_gemm_kernel", kernel, dim3((N + 15) / 16, ksplit), WARPS * 32, smem, x, ldx, glu_off, M, w,
+             ldw, N, K, uint32_t(pf), bias, has_bias, out, ldo, scratch);
+}
+
+// The carving of CudaBackend::splitk_scratch_.
+SplitKScratch splitk_scratch(void* base) {
+  return {static_cast<unsigned*>(base),
+          reinterpret_cast<float*>(static_cast<char*>(base) + CudaBackend::kSplitKCounterBytes)};
+}
+
+// Split-K for few row tiles: the K splits per tile (1: none). `mode` is the backend's
+// OCRIA_RT_SKINNY_KSPLIT: 0 chooses here, n >= 1 asks for n. Either way at most one split per
+// 32-wide chunk and no more (tile, split) blocks than the scratch holds.
+int skinny_ksplit(int tiles, int nchunks, int sm_count, int mode) {
+  // Fewer than this many chunks (K = 1024) per split: the block's start-up would dominate.
+  constexpr int kMinSplitChunks = 32;
+  constexpr int kMaxAutoSplit = 8;
+  int ksplit = mode;
+  if (mode <= 0) {
+    // Time ~ the blocks of the busiest SM, ceil(tiles * k / SMs), each 1 / k of a tile; a larger k
+    // must win by 5% (partial tiles, more block start-ups). N = 2560 on 132 SMs: 2 -> 1.25 (k = 4).
+    auto cost = [&](int k) { return double((int64_t(tiles) * k + sm_count - 1) / sm_count) / k; };
+    ksplit = 1;
+    for (int k = 2; k <= kMaxAutoSplit && nchunks / k >= kMinSplitChunks; ++k)
+      if (cost(k) < 0.95 * cost(ksplit)) ksplit = k;
+  }
+  ksplit = std::min<int64_t>({ksplit, nchunks, CudaBackend::kSplitKSlots / tiles});
+  return std::max(ksplit, 1);
 }
 
 template <bool GLU, class OutT>
 void launch_skinny(const bf16* x, int64_t ldx, int64_t glu_off, int M, const bf16* w, int64_t ldw, int N, int K,
-                   ParamView bias, bool has_bias, OutT* out, int64_t ldo, int sm_count, const LaunchCtx& ctx) {
+                   ParamView bias, bool has_bias, OutT* out, int64_t ldo, int sm_count, int ksplit_mode,
+                   SplitKScratch scratch, const LaunchCtx& ctx) {
   const int tiles = (N + 15) / 16;
-  // Few row tiles (N = 2560: 160 tiles on 132 SMs) cannot keep enough bytes in flight with 8 warps
-  // per tile: give each tile 16 warps then. Ring sizes: 64 KiB (8 warps, 3 blocks per SM) and
-  // 96 KiB (16 warps, 2 blocks per SM); 192 resp. 128 bytes in flight per thread.
-  const bool wide = tiles < 4 * sm_count;
-  if (M <= 8) {
-    if (wide)
-      launch_skinny_cfg<16, 1, 2, 3, GLU>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, ctx);
-    else
-      launch_skinny_cfg<8, 1, 2, 4, GLU>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, ctx);
-  } else {
-    if (wide)
-      launch_skinny_cfg<16, 2, 2, 3, GLU>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, ctx);
-    else
-      launch_skinny_cfg<8, 2, 2, 4, GLU>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, ctx);
-  }
+  const int ksplit = skinny_ksplit(tiles, (K + 31) / 32, sm_count, ksplit_mode);
+  // Few blocks (N = 2560 without split-K: 160 tiles on 132 SMs) cannot keep enough bytes in flight
+  // with 8 warps per block: give each block 16 warps then. Ring sizes: 64 KiB (8 warps, 3 blocks
+  // per SM) and 96 KiB (16 warps, 2 blocks per SM); 192 resp. 128 bytes in flight per thread.
+  const bool wide = int64_t(tiles) * ksplit < 4 * sm_count;
+  auto run = [&](auto split) {
+    constexpr bool SPLIT = decltype(split)::value;
+    if (M <= 8) {
+      if (wide)
+        launch_skinny_cfg<16, 1, 2, 3, GLU, SPLIT>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, ksplit,
+                                                   scratch, ctx);
+      else
+        launch_skinny_cfg<8, 1, 2, 4, GLU, SPLIT>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, ksplit,
+                                                  scratch, ctx);
+    } else {
+      if (wide)
+        launch_skinny_cfg<16, 2, 2, 3, GLU, SPLIT>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, ksplit,
+                                                   scratch, ctx);
+      else
+        launch_skinny_cfg<8, 2, 2, 4, GLU, SPLIT>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, ksplit,
+                                                  scratch, ctx);
+    }
+  };
+  if (ksplit > 1) run(std::true_type{});
+  else run(std::false_type{});
 }
 
 template <class OutT>
@@ -306,12 +396,13 @@ void CudaBackend::linear(const Tensor& x, const LinearWeight& lw, const Tensor& 
   const bool out_bf16 = out.dtype == DType::BF16;
 
   if (M <= 16 && vec_ok && K > 0) {
+    const SplitKScratch scratch = splitk_scratch(splitk_scratch_);
     if (out_bf16)
       launch_skinny<false>(xp, ldx, 0, int(M), wp, ldw, int(N), int(K), bias, has_bias, out.ptr<bf16>(), ldo, sm_count_,
-                           launch_ctx());
+                           skinny_ksplit_, scratch, launch_ctx());
     else
       launch_skinny<false>(xp, ldx, 0, int(M), wp, ldw, int(N), int(K), bias, has_bias, out.ptr<float>(), ldo,
-                           sm_count_, launch_ctx());
+                           sm_count_, skinny_ksplit_, scratch, launch_ctx());
     return;
   }
   if (M > 16 && out_bf16 && K > 0 &&
@@ -350,7 +441,8 @@ void CudaBackend::linear_swiglu(const Tensor& gate_up, const LinearWeight& lw, c
   }
   activate();
   launch_skinny<true>(xp, gate_up.row_stride, I, int(M), wp, lw.weight.row_stride, int(lw.weight.dim(0)), int(I),
-                      ParamView{}, false, out.ptr<bf16>(), out.row_stride, sm_count_, launch_ctx());
+                      ParamView{}, false, out.ptr<bf16>(), out.row_stride, sm_count_, skinny_ksplit_,
+                      splitk_scratch(splitk_scratch_), launch_ctx());
 }
 
 }  // namespace ocria_rt
