@@ -3,10 +3,8 @@
     python bench/kernels.py OUT.json [--reps 10] [--skip-prefill] [--ksplit-sweep 2,3,4,6,8]
 
 - linear, decode / verify (M = 1..16 tokens): achieved bandwidth (weight bytes + activations) against
-  the measured device-to-device copy bandwidth (bytes read + written per second), and beside it the
-  time with the skinny GEMM's split-K off (a second backend with OCRIA_RT_SKINNY_KSPLIT=1; the main
-  figures use whatever the environment says, normally the automatic choice); --ksplit-sweep adds
-  M = 1 / 16 with split-K forced to each listed count;
+  the measured device-to-device copy bandwidth (bytes read + written per second); --ksplit-sweep adds
+  M = 1 / 16 with the skinny GEMM's split-K forced to each listed count (OCRIA_RT_SKINNY_KSPLIT);
 - linear, prefill (M = 8192): TFLOP/s against torch.matmul (cuBLAS) on the same shapes, same run;
 - Gated DeltaNet recurrence per layer at T = 1 and 16, against the time to read and write the fp32
   state once; GDN prefill (the chunked kernels) at T = 1k / 4k / 8k beside the token-serial
@@ -182,7 +180,7 @@ def main() -> None:
     from ocria_rt import _core
 
     kb = kernel_bench(_core, None)
-    ksplit_mode = os.environ.get("OCRIA_RT_SKINNY_KSPLIT", "0")
+    ksplit_mode = os.environ.get("OCRIA_RT_SKINNY_KSPLIT", "1")
     bw, bw_source = copy_bandwidth(kb, args.reps)
     print(f"device: {device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s ({bw_source})", flush=True)
     results: dict = {"device": device_name(), "copy_bandwidth_Bps": bw, "copy_bandwidth_source": bw_source,
@@ -191,30 +189,25 @@ def main() -> None:
                      "sample": [], "skinny_ksplit": ksplit_mode}
     summary: list[dict] = []
 
-    # ---- linear, M <= 16: weight streaming (and the same without split-K) ----
+    # ---- linear, M <= 16: weight streaming ----
     rows = []
-    kb_off = None if args.skip_linear else kernel_bench(_core, "1")
     for name, N, K in ([] if args.skip_linear else LINEAR_SHAPES):
         for M in DECODE_M:
             nbytes = 2 * (N * K + M * K + M * N)
             us = med(kb.linear(M, N, K, iters=iters_for(nbytes / bw), reps=args.reps))
-            us_off = med(kb_off.linear(M, N, K, iters=iters_for(nbytes / bw), reps=args.reps))
             got = nbytes / (us * 1e-6)
             r = {"shape": name, "M": M, "N": N, "K": K, "us": round(us, 2), "TB/s": round(got / 1e12, 3),
-                 "of copy BW": f"{got / bw:.0%}", "no split-K us": round(us_off, 2),
-                 "split-K gain": f"{us_off / us:.2f}x"}
+                 "of copy BW": f"{got / bw:.0%}"}
             rows.append(r)
             results["linear_decode"].append({**r, "bytes": nbytes, "fraction_of_copy_bw": got / bw})
             if M in (1, 16):
                 summary.append({"kernel": f"linear {name}", "case": f"M={M} N={N} K={K}", "time": f"{us:.1f} us",
                                 "achieved": f"{got / 1e12:.2f} TB/s", "reference": f"copy {bw / 1e12:.2f} TB/s",
                                 "ratio": f"{got / bw:.0%}"})
-        print(f"linear {name}: " + ", ".join(f"M={r['M']} {r['us']} us {r['of copy BW']} "
-                                             f"(no split-K {r['no split-K us']} us)" for r in rows[-5:]),
+        print(f"linear {name}: " + ", ".join(f"M={r['M']} {r['us']} us {r['of copy BW']}" for r in rows[-5:]),
               flush=True)
-    del kb_off
-    print(f"\n## Linear, decode / verify (weight streaming; OCRIA_RT_SKINNY_KSPLIT={ksplit_mode} vs 1)\n")
-    print(markdown_table(rows, ["shape", "M", "N", "K", "us", "TB/s", "of copy BW", "no split-K us", "split-K gain"]))
+    print(f"\n## Linear, decode / verify (weight streaming; OCRIA_RT_SKINNY_KSPLIT={ksplit_mode})\n")
+    print(markdown_table(rows, ["shape", "M", "N", "K", "us", "TB/s", "of copy BW"]))
 
     # ---- linear, M = 1 / 16 with split-K forced to each count of --ksplit-sweep ----
     sweep = [k.strip() for k in args.ksplit_sweep.split(",") if k.strip()]

@@ -163,15 +163,15 @@ def test_linear_swiglu_splitk(cpu, gpu_ksplit, T, I, N, ksplit):
 CHAIN_CASES = [(1, 2560, 4608), (5, 2560, 4608), (16, 2560, 4608), (3, 1000, 1500)]
 
 
-@pytest.mark.parametrize("ksplit", ["1", "0", "3"])
+@pytest.mark.parametrize("ksplit", ["1", "3"])
 @pytest.mark.parametrize("M,H,I", CHAIN_CASES)
 def test_dependent_op_chain(cpu, monkeypatch, M, H, I, ksplit):
     """add_rms_norm -> linear -> linear_swiglu three times, then add_rms_norm, enqueued without host
     synchronisation in between, so that with PDL each kernel starts while its predecessor still runs
     and buffers are rewritten while earlier kernels may still read them. Against the CPU, and bit
     for bit against the same chain with PDL off (same kernels, same arithmetic: a missing
-    pdl_wait() shows as a difference). Skinny-GEMM split-K off, automatic (both GEMMs of the 2560 /
-    4608 shapes split) and forced to 3 splits everywhere (back-to-back launches share the scratch)."""
+    pdl_wait() shows as a difference). Skinny-GEMM split-K off (the default) and forced to 3 splits
+    everywhere (back-to-back launches share the scratch)."""
     monkeypatch.setenv("OCRIA_RT_SKINNY_KSPLIT", ksplit)
     rng = np.random.default_rng(M + H + I)
     res, delta = randn(rng, M, H, scale=3), randn(rng, M, H)

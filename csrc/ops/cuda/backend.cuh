@@ -190,8 +190,8 @@ class CudaBackend final : public Backend {
   // environment when the backend was constructed; "0" runs the three ops, for comparison).
   bool gdn_fused() const { return gdn_fused_; }
   // K splits of the skinny GEMM (linear with M <= 16, linear.cu): OCRIA_RT_SKINNY_KSPLIT in the
-  // environment when the backend was constructed; 0 (unset) chooses per shape, 1 turns split-K off,
-  // n > 1 asks for n splits (capped by K and by the split-K scratch), for comparison.
+  // environment when the backend was constructed; unset, 0 or 1: no split-K (the default: it measured
+  // slower), n > 1 asks for n splits (capped by K and by the split-K scratch), for experiments.
   int skinny_ksplit() const { return skinny_ksplit_; }
   // Grows the op workspace to at least `bytes` (it starts at kDefaultWorkspaceBytes). Call before
   // capturing graphs; ops never allocate. Sampling of R rows of V logits needs about R * V * 4 bytes

@@ -303,24 +303,13 @@ SplitKScratch splitk_scratch(void* base) {
           reinterpret_cast<float*>(static_cast<char*>(base) + CudaBackend::kSplitKCounterBytes)};
 }
 
-// Split-K for few row tiles: the K splits per tile (1: none). `mode` is the backend's
-// OCRIA_RT_SKINNY_KSPLIT: 0 chooses here, n >= 1 asks for n. Either way at most one split per
-// 32-wide chunk and no more (tile, split) blocks than the scratch holds.
-int skinny_ksplit(int tiles, int nchunks, int sm_count, int mode) {
-  // Fewer than this many chunks (K = 1024) per split: the block's start-up would dominate.
-  constexpr int kMinSplitChunks = 32;
-  constexpr int kMaxAutoSplit = 8;
-  int ksplit = mode;
-  if (mode <= 0) {
-    // Time ~ the blocks of the busiest SM, ceil(tiles * k / SMs), each 1 / k of a tile; a larger k
-    // must win by 5% (partial tiles, more block start-ups). N = 2560 on 132 SMs: 2 -> 1.25 (k = 4).
-    auto cost = [&](int k) { return double((int64_t(tiles) * k + sm_count - 1) / sm_count) / k; };
-    ksplit = 1;
-    for (int k = 2; k <= kMaxAutoSplit && nchunks / k >= kMinSplitChunks; ++k)
-      if (cost(k) < 0.95 * cost(ksplit)) ksplit = k;
-  }
-  ksplit = std::min<int64_t>({ksplit, nchunks, CudaBackend::kSplitKSlots / tiles});
-  return std::max(ksplit, 1);
+// Split-K: the K splits per tile (1: none). `mode` is the backend's OCRIA_RT_SKINNY_KSPLIT: split-K
+// is off unless asked for (n >= 2), because on the H200 it measured slower than one split per tile
+// even for N = 2560 (160 tiles on 132 SMs: o_proj 7.8 -> 10.1 us with 4 splits; bench/results).
+// At most one split per 32-wide chunk and no more (tile, split) blocks than the scratch holds.
+int skinny_ksplit(int tiles, int nchunks, int mode) {
+  const int64_t ksplit = std::min<int64_t>({std::max(mode, 1), nchunks, CudaBackend::kSplitKSlots / tiles});
+  return int(std::max<int64_t>(ksplit, 1));
 }
 
 template <bool GLU, class OutT>
@@ -328,7 +317,7 @@ void launch_skinny(const bf16* x, int64_t ldx, int64_t glu_off, int M, const bf1
                    ParamView bias, bool has_bias, OutT* out, int64_t ldo, int sm_count, int ksplit_mode,
                    SplitKScratch scratch, const LaunchCtx& ctx) {
   const int tiles = (N + 15) / 16;
-  const int ksplit = skinny_ksplit(tiles, (K + 31) / 32, sm_count, ksplit_mode);
+  const int ksplit = skinny_ksplit(tiles, (K + 31) / 32, ksplit_mode);
   // Few blocks (N = 2560 without split-K: 160 tiles on 132 SMs) cannot keep enough bytes in flight
   // with 8 warps per block: give each block 16 warps then. Ring sizes: 64 KiB (8 warps, 3 blocks
   // per SM) and 96 KiB (16 warps, 2 blocks per SM); 192 resp. 128 bytes in flight per thread.
