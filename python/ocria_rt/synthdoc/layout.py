@@ -269,6 +269,14 @@ class Paragraph(Block):
             if not self.truncatable:
                 return None
             n -= 1
+        cut = False
+        if n == 0 and self.truncatable and lines and lh <= max_h:
+            # not even the first line fits the character budget (small pages, large type): the longest
+            # run of its words that does, so that a small budget still gives the page some text
+            k = len(lines[0])
+            while k > 0 and len(md_words(lines[0][:k])) > max_chars:
+                k -= 1
+            lines, n, cut = [lines[0][:k]], 1 if k else 0, True
         if n <= 0:
             return None
         lines = lines[:n]
@@ -279,7 +287,7 @@ class Paragraph(Block):
             x = self.indent if i == 0 else 0
             ops += line_ops(ln, x, i * lh + base, width - x, typo, size, self.align, i == len(lines) - 1, fill)
         md = escape_line_start(md_words([w for ln in lines for w in ln]))
-        return Laid(width, lh * n, ops, md, self.kind, {"lines": n}, complete=n == total)
+        return Laid(width, lh * n, ops, md, self.kind, {"lines": n}, complete=n == total and not cut)
 
 
 @dataclass

@@ -635,6 +635,11 @@ def compose(seed: int, cfg: PageConfig) -> dict[str, Any]:
     head_laid = header.layout(typo, body_w) if header else None
     foot_laids = [f.layout(typo, body_w) for f in footers]
     foot_laids = [f for f in foot_laids if f is not None]
+    # page furniture within the character budget too (a small budget leaves room for the body first)
+    if head_laid is not None and len(head_laid.md) + 2 > page.budget() / 2:
+        head_laid = None
+    while foot_laids and sum(len(f.md) + 2 for f in foot_laids) + (len(head_laid.md) + 2 if head_laid else 0) > page.budget() / 2:
+        foot_laids.pop()
     if head_laid is not None:
         hy = max(2, mt - head_laid.h - round(typo.size * 0.6))
         page.place(body_x, hy, head_laid)
@@ -650,6 +655,8 @@ def compose(seed: int, cfg: PageConfig) -> dict[str, Any]:
     _LAYOUT_FNS[layout](c, page, (body_x, top, body_w, bottom))
     while len(page.placed) > n_before and page.placed[-1][2].kind == "heading":  # no heading at the very end
         page.placed.pop()
+    if len(page.placed) == n_before:  # none of the layout's blocks fitted (small page, large type, small budget)
+        Flow(page, [(body_x, body_w)], top, bottom).add(c.paragraph())
     if foot_laids:
         fy = foot_y
         for f in foot_laids:
