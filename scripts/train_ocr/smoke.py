@@ -117,8 +117,8 @@ def check_image_losses() -> dict:
     torch.manual_seed(0)
     model = train.build_model(cfg, "sdpa")
     rng = np.random.default_rng(0)
-    images = [rng.integers(0, 256, (64, 96, 3), dtype=np.uint8) for _ in range(3)]
-    b = train.pack_batch(builder, images, ["AB12", "hello world", "Z"], 4096)
+    images = [rng.integers(0, 256, (64, 96, 3), dtype=np.uint8) for _ in range(4)]
+    b = train.pack_batch(builder, images, ["AB12", "hello world", "", "Z"], 4096)  # a blank page has no bag
     pv, grid = train.pixels_on_device(b["images"], torch.device("cpu"))
     args = (b["input_ids"], b["labels"], b["position_ids"], pv, grid)
     end = builder.ids["<|im_end|>"]
@@ -131,7 +131,8 @@ def check_image_losses() -> dict:
         bag = []
         for i in range(len(images)):
             toks = [t for t in b["labels"][i].tolist() if t != -100 and t != end]
-            bag.append(-sum(float(p[i, t].log()) for t in toks) / len(toks))
+            if toks:
+                bag.append(-sum(float(p[i, t].log()) for t in toks) / len(toks))
         flat = f.reshape(-1, f.shape[-1])
         center = float(flat.mean(0).square().sum() / flat.square().sum(1).mean())
     ref = float(plain) + 0.5 * float(np.mean(bag)) + 0.25 * center

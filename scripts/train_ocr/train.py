@@ -287,7 +287,8 @@ class AnswerLoss(torch.nn.Module):
         q = q / q.sum(1, keepdim=True).clamp_min(1.0)
         n = (grid.prod(-1) // (MERGE * MERGE)).tolist()
         mix = torch.stack([torch.logsumexp(lp, 0) - math.log(lp.shape[0]) for lp in logp.split(n)])  # [B, V]
-        return -(q * mix).sum(1).mean()
+        has_text = keep.any(1)  # the mean over the pages whose answer has tokens (a blank page has no bag)
+        return -(q * mix).sum(1)[has_text].sum() / has_text.sum().clamp_min(1)
 
 
 def make_optimizer(model: torch.nn.Module, sched: Schedule, weight_decay: float, device: torch.device):
@@ -898,7 +899,7 @@ def main(argv=None) -> dict:
                    "steps_per_s": round((rs.step - win["step0"]) / dt, 3), "data_wait_frac": round(win["wait"] / dt, 3),
                    "batch_pages": batch["pages"], "seq_len": int(ids.shape[1]), "image_hw": list(batch["images"].shape[1:3])}
             if args.image_aux or args.image_center:  # the loss above includes the image terms; rank 0's last batch:
-                rec["loss_terms"] = {k: round(float(v), 4) for k, v in answer_loss.terms.items()}
+                rec["loss_terms"] = {k: round(float(v.detach()), 4) for k, v in answer_loss.terms.items()}
             if device.type == "cuda":
                 rec["max_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
             log(rec)
