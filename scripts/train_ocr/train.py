@@ -87,11 +87,12 @@ class DataSpec:
     curriculum_steps: int = 0  # ramp the budget's upper end from chars[0] * 2 to chars[1] over these steps
     noise: float = 1.0
     chars_per_token: float = 2.2  # conservative, to size batches before the pages exist
+    locales: tuple[str, ...] | None = None  # faker locales of the page text (None: all of synthdoc's)
 
     def page_config(self, size: tuple[int, int] | None = None, max_chars: int | None = None):
         return synthdoc.PageConfig(size=size, long_side=tuple(self.long_side), aspect=tuple(self.aspect),
                                    landscape=self.landscape, body_px=tuple(self.body_px), max_chars=max_chars,
-                                   noise=self.noise)
+                                   noise=self.noise, locales=tuple(self.locales) if self.locales else None)
 
     def max_pixels(self) -> int:
         lo, hi = self.long_side
@@ -541,6 +542,8 @@ def parse_args(argv=None):
                     help="body font size at a long side of 1024 (default 13 19)")
     ap.add_argument("--curriculum-steps", type=int, default=None,
                     help="ramp the character budget's upper end over these batches (default 2000)")
+    ap.add_argument("--locales", nargs="+", default=None, help="faker locales of the page text (default: all)")
+    ap.add_argument("--noise", type=float, default=None, help="scan-noise strength (default 1; 0: clean renders)")
     ap.add_argument("--image-aux", type=float, default=0.0,
                     help="weight of AnswerLoss.image_bag_loss (each image's tokens predict its answer's token bag "
                          "through the LM head); probe_reading.py needs it to learn to read at all")
@@ -675,7 +678,7 @@ def main(argv=None) -> dict:
         saved, tensors = None, None
         if lead and args.fresh and log_path.exists():
             log_path.unlink()
-    for field in ("chars", "long_side", "body_px", "curriculum_steps"):
+    for field in ("chars", "long_side", "body_px", "curriculum_steps", "locales", "noise"):
         value = getattr(args, field)
         if value is not None:
             setattr(spec, field, tuple(value) if isinstance(value, (list, tuple)) else value)
@@ -777,7 +780,7 @@ def main(argv=None) -> dict:
             print(f"eval failed at step {rs.step}: {msg}", flush=True)
             return time.perf_counter() - t0
         log({"event": "eval", "step": rs.step, **r, "long_side": list(spec.long_side), "body_px": list(spec.body_px),
-             "chars": spec.chars[1]})
+             "chars": spec.chars[1], "locales": list(spec.locales) if spec.locales else None, "noise": spec.noise})
         print(f"eval step {rs.step}: cer {r['cer']:.4f} (micro {r['cer_micro']:.4f}), tables "
               f"{r['tables_exact']}/{r['tables']}, {r['seconds']:.1f} s", flush=True)
         return r["seconds"]
