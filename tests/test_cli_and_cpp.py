@@ -51,8 +51,43 @@ def test_cli_eval_scores_held_out_pages_like_the_python_api(tmp_path):
     assert all(p["seed"] % 2 == 1 for p in got["per_page"]), "held-out pages have odd seeds"
 
 
+def _vlm_with_training_json(tmp_path: Path, data) -> Path:
+    """The shipped tiny VLM plus the training.json an exported training checkpoint carries."""
+    d = tmp_path / "vlm"
+    shutil.copytree(ocria_rt.pipeline.default_vlm_dir(), d)
+    (d / "training.json").write_text(json.dumps({"preset": "small", "step": 1, "data": data}))
+    return d
+
+
+def test_cli_eval_uses_the_model_training_pages_and_the_flags(tmp_path):
+    data = {"long_side": [320, 352], "aspect": [1.25, 1.45], "landscape": 0.0, "body_px": [40, 56],
+            "chars": [20, 90], "noise": 0.5, "locales": None}
+    model = _vlm_with_training_json(tmp_path, data)
+    out = tmp_path / "eval.json"
+    r = cli("eval", "--model", str(model), "--pages", "3", "--max-new-tokens", "4", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "training.json" in r.stdout and "long side 320-352 px" in r.stdout
+    got = json.loads(out.read_text())
+    assert got["page_config"]["long_side"] == [320, 352] and got["page_config"]["max_chars"] == 90
+    assert all(max(p["size"]) in (320, 352) for p in got["per_page"]), got["per_page"]
+    # a flag replaces one field; the rest stays the model's
+    r = cli("eval", "--model", str(model), "--pages", "2", "--max-new-tokens", "4", "--json", str(out),
+            "--long-side", "512", "512")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(out.read_text())
+    assert [max(p["size"]) for p in got["per_page"]] == [512, 512] and got["page_config"]["body_px"] == [40, 56]
+
+
+def test_cli_eval_names_a_malformed_training_json(tmp_path):
+    model = _vlm_with_training_json(tmp_path, {"long_side": [320]})
+    r = cli("eval", "--model", str(model), "--pages", "1", "--max-new-tokens", "4")
+    assert r.returncode == 2 and "training.json" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("args, match", [
     (["--pages", "0"], "--pages must be at least 1"),
+    (["--long-side", "512", "256"], "--long-side needs 32 <= LO <= HI"),
+    (["--max-chars", "0"], "--max-chars must be at least 1"),
     (["--json", "/nonexistent/dir/eval.json"], "does not exist"),
     (["--model", str(FIXTURES / "text_tied")], "no vision encoder"),
 ])

@@ -150,28 +150,51 @@ def _parse(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from . import Engine
-    from .errors import InvalidArgumentError
-    from .pipeline import default_vlm_dir
-    from .synthdoc import evaluate
-
+    import dataclasses
     import os
+
+    from . import Engine
+    from .errors import InvalidArgumentError, ModelError
+    from .pipeline import default_vlm_dir
+    from .synthdoc import PageConfig, evaluate, training_page_config, with_overrides
 
     if args.pages < 1:
         raise InvalidArgumentError(f"--pages must be at least 1, got {args.pages}")
     if args.json:
         _check_output_path(args.json)
+    for name, pair, low in (("--long-side", args.long_side, 32), ("--body-px", args.body_px, 1)):
+        if pair is not None and not low <= pair[0] <= pair[1]:
+            raise InvalidArgumentError(f"{name} needs {low} <= LO <= HI, got {pair[0]} {pair[1]}")
+    if args.max_chars is not None and args.max_chars < 1:
+        raise InvalidArgumentError(f"--max-chars must be at least 1, got {args.max_chars}")
     eng = Engine(args.model or default_vlm_dir(), device=args.device, num_threads=args.threads)
     if not eng.config.get("has_vision"):
         raise InvalidArgumentError(f"model '{eng.model_dir}' has no vision encoder: eval needs a VLM")
-    r = evaluate(eng, n_pages=args.pages, seed=args.seed, max_new_tokens=args.max_new_tokens, progress=args.progress)
-    r.update(model=str(eng.model_dir), device=str(eng.device))
+    # The pages: the model's own training distribution when its directory says (training.json), else
+    # synthdoc's defaults; the flags replace single fields of either.
+    try:
+        cfg = training_page_config(eng.model_dir)
+    except ValueError as e:
+        raise ModelError(str(e)) from None
+    source = "synthdoc's defaults" if cfg is None else "the model's training pages (training.json)"
+    overrides = {k: v for k, v in (("long_side", args.long_side), ("body_px", args.body_px),
+                                   ("max_chars", args.max_chars)) if v is not None}
+    if overrides:
+        cfg = with_overrides(cfg, **{k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()})
+        source += ", " + ", ".join(f"{k} {v}" for k, v in overrides.items())
+    cfg = cfg or PageConfig()
+    r = evaluate(eng, n_pages=args.pages, seed=args.seed, config=cfg, max_new_tokens=args.max_new_tokens,
+                 progress=args.progress)
+    r.update(model=str(eng.model_dir), device=str(eng.device), pages_from=source,
+             page_config={k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()})
     if args.json:
         os.replace(_write_atomic(args.json, json.dumps(r, indent=1) + "\n"), args.json)
     rate = "n/a" if r["table_exact_rate"] is None else f"{100 * r['table_exact_rate']:.1f}%"
     print(f"{r['pages']} held-out pages (seed {args.seed}): CER {100 * r['cer']:.2f}% (pooled "
           f"{100 * r['cer_micro']:.2f}%, median {100 * r['cer_median']:.2f}%); tables exact "
           f"{r['tables_exact']}/{r['tables']} ({rate}); {r['pages_per_s']:.2f} pages/s on {eng.device}")
+    print(f"pages: {source}: long side {cfg.long_side[0]}-{cfg.long_side[1]} px, body {cfg.body_px[0]}-{cfg.body_px[1]} px"
+          + (f", at most {cfg.max_chars} characters" if cfg.max_chars else ""))
     return 0
 
 
@@ -231,13 +254,20 @@ def main(argv: list[str] | None = None) -> int:
         description="Scores a VLM on N pages from ocria_rt.synthdoc's held-out split (odd page seeds, never "
         "used in training): each page goes through Engine.chat with parse's default prompt, greedy; CER = "
         "edit distance / reference characters (mean over pages, and pooled); a table is exact when its rows, "
-        "cells per row and th/td kinds match.",
+        "cells per row and th/td kinds match. The pages follow the model's training distribution when its "
+        "directory has the training.json that scripts/train_ocr/export.py writes, else synthdoc's defaults.",
     )
     e.add_argument("--model", default=None, help="VLM directory (default: the small VLM shipped in the package)")
     e.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     e.add_argument("--pages", type=int, default=200, help="held-out pages (default 200)")
     e.add_argument("--seed", type=int, default=0, help="held-out set (default 0)")
     e.add_argument("--max-new-tokens", type=int, default=2048, help="per page")
+    e.add_argument("--long-side", type=int, nargs=2, default=None, metavar=("LO", "HI"),
+                   help="page long side range in px (default: the model's training pages, else 768 1024)")
+    e.add_argument("--body-px", type=int, nargs=2, default=None, metavar=("LO", "HI"),
+                   help="body type size range at a long side of 1024 (default: as --long-side, else 13 19)")
+    e.add_argument("--max-chars", type=int, default=None,
+                   help="Markdown characters per page at most (default: as --long-side, else no limit)")
     e.add_argument("--threads", type=int, default=0, help="CPU threads (0: all cores)")
     e.add_argument("--json", default=None, metavar="OUT.json", help="also write the figures, per page, as JSON")
     e.add_argument("--progress", action="store_true", help="one line per page on stdout")

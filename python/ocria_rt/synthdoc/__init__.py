@@ -21,7 +21,9 @@ Splits: ``page_seed(split, index, seed)`` maps a page of a split to the seed giv
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from .layout import Laid, Typo
@@ -60,6 +62,33 @@ def iter_dataset(split: str, n: int, seed: int = 0, config: PageConfig | None = 
         yield generate_page(page_seed(split, i, seed), config)
 
 
+def training_page_config(model_dir: str | Path) -> PageConfig | None:
+    """The pages a model was trained on, from the ``training.json`` that scripts/train_ocr/export.py writes
+    next to its weights (its "data": long side, aspect, landscape share, body size, noise, locales and the
+    character budget, whose upper end becomes ``max_chars`` as in training's own held-out metric); None
+    when the model has no such file. A malformed file raises ValueError naming it and the field."""
+    path = Path(model_dir) / "training.json"
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())["data"]
+        pair = lambda key, kind: tuple(kind(x) for x in data[key])  # noqa: E731
+        kw: dict[str, Any] = {"long_side": pair("long_side", int), "body_px": pair("body_px", int),
+                              "max_chars": int(data["chars"][1])}
+        if "aspect" in data:
+            kw["aspect"] = pair("aspect", float)
+        for key in ("landscape", "noise"):
+            if key in data:
+                kw[key] = float(data[key])
+        if data.get("locales"):
+            kw["locales"] = tuple(str(x) for x in data["locales"])
+        if len(kw["long_side"]) != 2 or len(kw["body_px"]) != 2:
+            raise ValueError("long_side and body_px must be [low, high]")
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        raise ValueError(f"{path}: no usable page distribution under \"data\" ({type(e).__name__}: {e})") from None
+    return with_overrides(None, **kw)
+
+
 __all__ = [
     "LAYOUTS",
     "LAYOUT_WEIGHTS",
@@ -82,5 +111,6 @@ __all__ = [
     "summarize",
     "table_shape",
     "table_structures",
+    "training_page_config",
     "with_overrides",
 ]

@@ -191,7 +191,7 @@ def evaluate(engine_or_fn: Any, n_pages: int = 200, seed: int = 0, config: Any =
     for i, (image, ref, meta) in enumerate(iter_dataset("heldout", n_pages, seed, config)):
         pred = fn(image, prompt)
         s = score_page(pred, ref)
-        s.update(seed=meta["seed"], layout=meta["layout"])
+        s.update(seed=meta["seed"], layout=meta["layout"], size=[meta["width"], meta["height"]])
         pages.append(s)
         if i < keep_outputs:
             samples.append({"seed": meta["seed"], "prediction": pred, "reference": ref})
