@@ -90,9 +90,8 @@ class DataSpec:
     locales: tuple[str, ...] | None = None  # faker locales of the page text (None: all of synthdoc's)
 
     def page_config(self, size: tuple[int, int] | None = None, max_chars: int | None = None):
-        return synthdoc.PageConfig(size=size, long_side=tuple(self.long_side), aspect=tuple(self.aspect),
-                                   landscape=self.landscape, body_px=tuple(self.body_px), max_chars=max_chars,
-                                   noise=self.noise, locales=tuple(self.locales) if self.locales else None)
+        # the same mapping `ocria-rt eval` applies to an exported model's training.json
+        return synthdoc.with_overrides(synthdoc.training_data_page_config(asdict(self)), size=size, max_chars=max_chars)
 
     def max_pixels(self) -> int:
         lo, hi = self.long_side

@@ -62,31 +62,38 @@ def iter_dataset(split: str, n: int, seed: int = 0, config: PageConfig | None = 
         yield generate_page(page_seed(split, i, seed), config)
 
 
+def training_data_page_config(data: dict[str, Any]) -> PageConfig:
+    """The pages of a training run's data distribution (scripts/train_ocr's DataSpec, as saved in its
+    checkpoints and in an export's training.json): long side, aspect, landscape share, body size,
+    noise, locales, and ``max_chars`` = the upper end of its character budget, as in training's own
+    held-out metric. Other keys are ignored; a missing or malformed one raises KeyError / ValueError /
+    TypeError / IndexError."""
+    pair = lambda key, kind: tuple(kind(x) for x in data[key])  # noqa: E731
+    kw: dict[str, Any] = {"long_side": pair("long_side", int), "body_px": pair("body_px", int),
+                          "max_chars": int(data["chars"][1])}
+    if "aspect" in data:
+        kw["aspect"] = pair("aspect", float)
+    for key in ("landscape", "noise"):
+        if key in data:
+            kw[key] = float(data[key])
+    if data.get("locales"):
+        kw["locales"] = tuple(str(x) for x in data["locales"])
+    if len(kw["long_side"]) != 2 or len(kw["body_px"]) != 2:
+        raise ValueError("long_side and body_px must be [low, high]")
+    return with_overrides(None, **kw)
+
+
 def training_page_config(model_dir: str | Path) -> PageConfig | None:
     """The pages a model was trained on, from the ``training.json`` that scripts/train_ocr/export.py writes
-    next to its weights (its "data": long side, aspect, landscape share, body size, noise, locales and the
-    character budget, whose upper end becomes ``max_chars`` as in training's own held-out metric); None
-    when the model has no such file. A malformed file raises ValueError naming it and the field."""
+    next to its weights (training_data_page_config of its "data"); None when the model has no such file.
+    A malformed file raises ValueError naming it and the field."""
     path = Path(model_dir) / "training.json"
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text())["data"]
-        pair = lambda key, kind: tuple(kind(x) for x in data[key])  # noqa: E731
-        kw: dict[str, Any] = {"long_side": pair("long_side", int), "body_px": pair("body_px", int),
-                              "max_chars": int(data["chars"][1])}
-        if "aspect" in data:
-            kw["aspect"] = pair("aspect", float)
-        for key in ("landscape", "noise"):
-            if key in data:
-                kw[key] = float(data[key])
-        if data.get("locales"):
-            kw["locales"] = tuple(str(x) for x in data["locales"])
-        if len(kw["long_side"]) != 2 or len(kw["body_px"]) != 2:
-            raise ValueError("long_side and body_px must be [low, high]")
+        return training_data_page_config(json.loads(path.read_text())["data"])
     except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
         raise ValueError(f"{path}: no usable page distribution under \"data\" ({type(e).__name__}: {e})") from None
-    return with_overrides(None, **kw)
 
 
 __all__ = [
@@ -111,6 +118,7 @@ __all__ = [
     "summarize",
     "table_shape",
     "table_structures",
+    "training_data_page_config",
     "training_page_config",
     "with_overrides",
 ]
