@@ -54,11 +54,8 @@ ATTN_PREFILL_T = [1024, 4096, 8192]
 GDN_PREFILL_T = [1024, 4096, 8192]
 
 
-def kernel_bench(core, ksplit: str | None):
-    """A KernelBench whose CUDA backend reads OCRIA_RT_SKINNY_KSPLIT = ksplit when it is constructed
-    (None: the environment as it is)."""
-    if ksplit is None:
-        return core.KernelBench("cuda")
+def kernel_bench_with_ksplit(core, ksplit: str):
+    """A KernelBench whose CUDA backend reads OCRIA_RT_SKINNY_KSPLIT = ksplit when it is constructed."""
     saved = os.environ.get("OCRIA_RT_SKINNY_KSPLIT")
     os.environ["OCRIA_RT_SKINNY_KSPLIT"] = ksplit
     try:
@@ -179,7 +176,7 @@ def main() -> None:
 
     from ocria_rt import _core
 
-    kb = kernel_bench(_core, None)
+    kb = _core.KernelBench("cuda")
     ksplit_mode = os.environ.get("OCRIA_RT_SKINNY_KSPLIT", "1")
     bw, bw_source = copy_bandwidth(kb, args.reps)
     print(f"device: {device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s ({bw_source})", flush=True)
@@ -214,7 +211,7 @@ def main() -> None:
     if sweep and not args.skip_linear:
         rows = []
         for k in sweep:
-            kb_k = kernel_bench(_core, k)
+            kb_k = kernel_bench_with_ksplit(_core, k)
             for name, N, K in LINEAR_SHAPES:
                 for M in (1, 16):
                     nbytes = 2 * (N * K + M * K + M * N)

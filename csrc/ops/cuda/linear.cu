@@ -2,7 +2,7 @@
 //
 // Dispatch on M (tokens):
 //  - M <= 16: skinny GEMM that streams W once (decode / speculative verify are memory bound), with
-//    split-K where there are few row tiles. See skinny_gemm_kernel below.
+//    an optional split-K (off unless OCRIA_RT_SKINNY_KSPLIT asks). See skinny_gemm_kernel below.
 //  - M > 16: CUTLASS sm90 TMA/wgmma GEMM (linear_gemm_sm90.cu), bias added by a second kernel.
 //  - anything the two cannot take (K or a stride not a multiple of 8, misaligned views, F32 output
 //    for M > 16): a simple shared-memory tiled kernel.
@@ -43,8 +43,9 @@ namespace {
 // next pf_bytes of each of its 16 rows before pdl_wait(); only then does it read x. The weight
 // stream thereby starts while the kernels before it (norms, attention, the DeltaNet chain) still run.
 //
-// Split-K (SPLIT, grid.y = ksplit > 1): few row tiles (N = 2560: 160 tiles on 132 SMs) leave SMs with
-// one tile next to SMs with two. Block (tile, s) then takes the s-th of ksplit contiguous, balanced
+// Split-K (SPLIT, grid.y = ksplit > 1; only when asked for, see skinny_ksplit): meant for few row
+// tiles (N = 2560: 160 tiles on 132 SMs leave SMs with one tile next to SMs with two), it measured
+// slower there on the H200. Block (tile, s) then takes the s-th of ksplit contiguous, balanced
 // ranges of 32-wide K chunks, writes its fp32 partial tile to SplitKScratch::partials after
 // pdl_wait(), and counts itself in on the tile's counter; the block that completes the count sums the
 // ksplit partials in split order (deterministic whichever block is last), adds the bias, stores, and
