@@ -319,7 +319,8 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int h = blockIdx.x / slices, col0 = (blockIdx.x % slices) * cols, t = blockIdx.y;
   pdl_wait();  // the partial results come from attention_kernel
   const int len = positions[t] + 1;
-  const int active = (len + split_chunk(len, nsplit) - 1) / split_chunk(len, nsplit);
+  const int chunk = split_chunk(len, nsplit);
+  const int active = (len + chunk - 1) / chunk;  // the splits that hold rows
   const int d = col0 + threadIdx.x;  // the output column of threads < cols
   const bf16* gate_row = qkv + int64_t(t) * ldqkv + int64_t(h) * 2 * hd + hd;
   const float gate = threadIdx.x < cols ? __bfloat162float(gate_row[d]) : 0.0f;
