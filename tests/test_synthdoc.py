@@ -3,7 +3,9 @@ speed per layout, and the scoring functions. Needs numpy and Pillow; faker only 
 
 from __future__ import annotations
 
+import html
 import random
+import re
 import time
 from html.parser import HTMLParser
 
@@ -134,6 +136,48 @@ def test_small_pages_with_small_budgets_still_carry_text():
         empty += not md.strip()
         total += 1
     assert empty <= total // 20, f"{empty} of {total} pages have no text"
+
+
+def test_glyph_centres_lie_on_the_drawn_characters():
+    """meta["glyphs"] (generate_page(..., glyphs=True)): one centre per visible character drawn, each inside
+    the page and with ink around it, on clean pages of every layout; the page itself is unchanged."""
+    for i, layout in enumerate(LAYOUTS):
+        cfg = PageConfig(layout=layout, size=(384, 512), noise=0.0, max_chars=300)
+        img, md, meta = generate_page(100 + i, cfg, glyphs=True)
+        plain = generate_page(100 + i, cfg)
+        assert _pixels(img) == _pixels(plain[0]) and md == plain[1] and "glyphs" not in plain[2]
+        glyphs = meta["glyphs"]
+        drawn = "".join(ch for _, _, ch in glyphs)
+        # in reading order: the drawn characters are a subsequence of the Markdown (which adds markup) ...
+        rest = iter(html.unescape(md))
+        assert all(any(c == d for d in rest) for c in drawn), f"{layout}: drawn {drawn!r} not in order in {md!r}"
+        # ... and all of its text: what is left after the markup (tags, emphasis, heading/list marks) is drawn
+        text = re.sub(r"<[^>]+>|\*\*?|^#+ |^- (\[[ x]\] )?", "", html.unescape(md), flags=re.M)
+        assert len(drawn) >= 0.95 * len("".join(text.split())), f"{layout}: {len(drawn)} glyphs for {text!r}"
+        gray = np.asarray(img.convert("L"), dtype=np.int32)
+        r = max(2, meta["body_px"] // 3)
+        inked = 0
+        for x, y, ch in glyphs:
+            assert 0 <= x < 384 and 0 <= y < 512 and not ch.isspace()
+            win = gray[max(0, int(y) - r): int(y) + r + 1, max(0, int(x) - r): int(x) + r + 1]
+            inked += int(win.min()) < 160
+        assert inked >= 0.97 * len(glyphs), f"{layout}: {len(glyphs) - inked} of {len(glyphs)} centres off the ink"
+
+
+def test_rotate_points_follows_pillow():
+    """The glyph centres follow the scan noise's rotation: a dot rotated by Image.rotate lands where
+    rotate_points puts it."""
+    from PIL import Image, ImageDraw
+
+    from ocria_rt.synthdoc.pages import rotate_points
+
+    for angle in (1.2, -0.7, 30.0):
+        img = Image.new("L", (200, 300), 255)
+        ImageDraw.Draw(img).ellipse([147, 57, 153, 63], fill=0)  # centre (150, 60)
+        out = np.asarray(img.rotate(angle, resample=Image.Resampling.BILINEAR, fillcolor=255), dtype=np.float64)
+        ys, xs = np.nonzero(out < 128)
+        (px, py, _), = rotate_points([(150.5, 60.5, "o")], angle, 200, 300)
+        assert abs(xs.mean() + 0.5 - px) < 1.0 and abs(ys.mean() + 0.5 - py) < 1.0, (angle, xs.mean(), ys.mean(), px, py)
 
 
 def test_builtin_words_without_faker():

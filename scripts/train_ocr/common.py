@@ -173,12 +173,19 @@ class PromptBuilder:
         text = apply_chat_template(Path(tok_dir), page_messages(prompt), add_generation_prompt=True)
         self.prompt_ids = list(self.tok.encode(text, add_special_tokens=False).ids)
         assert self.prompt_ids.count(self.ids["<|image_pad|>"]) == 1, text
+        self._char_ids: dict[str, list[int]] = {}
 
     def prompt(self, grid_h: int, grid_w: int) -> list[int]:
         return expand_image_tokens(self.prompt_ids, np.array([[1, grid_h, grid_w]]), self.ids["<|image_pad|>"], MERGE)
 
     def answer(self, markdown: str) -> list[int]:
         return list(self.tok.encode(markdown, add_special_tokens=False).ids) + [self.ids["<|im_end|>"]]
+
+    def char_ids(self, ch: str) -> list[int]:
+        """The token ids of one character on its own (byte-level: one id, or one per UTF-8 byte)."""
+        if ch not in self._char_ids:
+            self._char_ids[ch] = list(self.tok.encode(ch, add_special_tokens=False).ids)
+        return self._char_ids[ch]
 
 
 def mrope_positions(ids: list[int], image_token_id: int, grid_h: int, grid_w: int) -> np.ndarray:

@@ -41,10 +41,12 @@ from common import synthdoc  # noqa: E402
 ALPHABET = string.digits + string.ascii_uppercase
 
 
-def render(key: str, size: tuple[int, int], n_chars: tuple[int, int], layout: str, blank: bool) -> tuple[np.ndarray, str]:
-    """Example `key`: (uint8 [H, W, 3] image, its string). layout "cells": character i centred (+-3 px) in the
-    i-th 32 x 32 cell of the top row (one character per merged image token); "free": the string in one run,
-    at the largest font size of a random draw that fits, at a random place."""
+def render(key: str, size: tuple[int, int], n_chars: tuple[int, int], layout: str,
+           blank: bool) -> tuple[np.ndarray, str, list[tuple[int, str]]]:
+    """Example `key`: (uint8 [H, W, 3] image, its string, the glyphs as (merged-token cell, character)). layout
+    "cells": character i centred (+-3 px) in the i-th 32 x 32 cell of the top row (one character per merged
+    image token); "free": the string in one run, at the largest font size of a random draw that fits, at a
+    random place. A glyph's cell is the 32 x 32 cell (raster order, as the merger emits them) of its centre."""
     rng = random.Random(key)
     h, w = size
     text = "".join(rng.choice(ALPHABET) for _ in range(rng.randint(*n_chars)))
@@ -52,7 +54,8 @@ def render(key: str, size: tuple[int, int], n_chars: tuple[int, int], layout: st
     draw = ImageDraw.Draw(img)
     ink = rng.randint(0, 80)
     if blank:
-        return np.asarray(img, dtype=np.uint8), text
+        return np.asarray(img, dtype=np.uint8), text, []
+    glyphs = []
     if layout == "cells":
         font = ImageFont.load_default(size=26)
         for i, ch in enumerate(text):
@@ -60,6 +63,7 @@ def render(key: str, size: tuple[int, int], n_chars: tuple[int, int], layout: st
             x = 32 * i + (32 - (x1 - x0)) // 2 - x0 + rng.randint(-3, 3)
             y = (32 - (y1 - y0)) // 2 - y0 + rng.randint(-3, 3)
             draw.text((x, y), ch, font=font, fill=(ink, ink, ink))
+            glyphs.append((i, ch))
     else:
         px = rng.randint(int(h * 0.45), int(h * 0.7))
         while True:
@@ -71,13 +75,23 @@ def render(key: str, size: tuple[int, int], n_chars: tuple[int, int], layout: st
         x = rng.randint(0, w - (x1 - x0) - 1) - x0
         y = rng.randint(0, h - (y1 - y0) - 1) - y0
         draw.text((x, y), text, font=font, fill=(ink, ink, ink))
-    return np.asarray(img, dtype=np.uint8), text
+        for i, ch in enumerate(text):
+            gx0, gy0, gx1, gy1 = font.getbbox(ch)
+            cx = x + font.getlength(text[:i]) + (gx0 + gx1) / 2
+            cy = y + (gy0 + gy1) / 2
+            glyphs.append((int(cy) // 32 * (w // 32) + int(cx) // 32, ch))
+    return np.asarray(img, dtype=np.uint8), text, glyphs
 
 
 def batch(args, builder, split: str, first: int, n: int) -> tuple[dict, list[str]]:
     ex = [render(f"{split}:{args.seed}:{first + j}", tuple(args.size), tuple(args.chars), args.layout, args.blank)
           for j in range(n)]
-    return train.pack_batch(builder, [im for im, _ in ex], [t for _, t in ex], 4096), [t for _, t in ex]
+    b = train.pack_batch(builder, [im for im, _, _ in ex], [t for _, t, _ in ex], 4096)
+    b["glyphs"] = train.glyph_targets(builder, [g for _, _, g in ex], (args.size[0] // 32) * (args.size[1] // 32))
+    prompt_len = len(builder.prompt(args.size[0] // 16, args.size[1] // 16))
+    b["reading"] = train.reading_targets([train.token_cells(builder, t, g) for _, t, g in ex], prompt_len,
+                                         b["labels"].shape[1])
+    return b, [t for _, t, _ in ex]
 
 
 def evaluate(model, builder, args, held: list) -> dict:
@@ -114,6 +128,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--image-aux", type=float, default=1.0, help="train.py --image-aux (0: off, train.py's default)")
     ap.add_argument("--image-center", type=float, default=1.0, help="train.py --image-center (0: off, train.py's default)")
+    ap.add_argument("--align-aux", type=float, default=0.0,
+                    help="train.py --align-aux: attention head 0 reads the cells of the token it predicts (0: off)")
+    ap.add_argument("--glyph-aux", type=float, default=0.0,
+                    help="train.py --glyph-aux: each image token predicts the characters drawn in its cell (0: off)")
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--total-steps", type=int, default=2000, help="cosine length (the run may stop earlier)")
     ap.add_argument("--minutes", type=float, default=5.0, help="training budget (evaluations included)")
@@ -137,7 +155,7 @@ def main(argv=None) -> dict:
     sched = train.Schedule(lr=args.lr, warmup=args.warmup, total_steps=args.total_steps)
     opt = train.make_optimizer(model, sched, 0.1, torch.device("cpu"))
     forward = train.AnswerLoss(model, autocast=False, image_aux=args.image_aux, end_id=builder.ids["<|im_end|>"],
-                               image_center=args.image_center)
+                               image_center=args.image_center, glyph_aux=args.glyph_aux, align_aux=args.align_aux)
     held = [batch(args, builder, "heldout", i, min(32, args.eval_n - i)) for i in range(0, args.eval_n, 32)]
 
     curve, t0, step, losses = [], time.perf_counter(), 0, []
@@ -159,7 +177,7 @@ def main(argv=None) -> dict:
         for g in opt.param_groups:
             g["lr"] = sched.at(step)
         opt.zero_grad(set_to_none=True)
-        loss = forward(b["input_ids"], b["labels"], b["position_ids"], pv, grid)
+        loss = forward(b["input_ids"], b["labels"], b["position_ids"], pv, grid, b["glyphs"], b["reading"])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

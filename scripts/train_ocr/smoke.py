@@ -110,8 +110,8 @@ def check_reference_chunk_size() -> float:
 
 
 def check_image_losses() -> dict:
-    """AnswerLoss's optional image terms (--image-aux, --image-center) against a direct float64 computation
-    from the image features, and their gradient reaching the vision tower."""
+    """AnswerLoss's optional image terms (--image-aux, --image-center, --glyph-aux) against a direct float64
+    computation from the image features, and their gradient reaching the vision tower."""
     cfg = common.model_config("smoke", 4096, common.token_ids(common.load_tokenizer(common.DEFAULT_TOKENIZER_DIR)))
     builder = common.PromptBuilder(common.DEFAULT_TOKENIZER_DIR)
     torch.manual_seed(0)
@@ -122,12 +122,22 @@ def check_image_losses() -> dict:
     pv, grid = train.pixels_on_device(b["images"], torch.device("cpu"))
     args = (b["input_ids"], b["labels"], b["position_ids"], pv, grid)
     end = builder.ids["<|im_end|>"]
+    # glyphs: image 0 shows "A" in cell 1 and "B1" in cell 4, image 1 "→" (three byte tokens) in cell 0
+    glyphs = train.glyph_targets(builder, [[(1, "A"), (4, "B"), (4, "1")], [(0, "→")], [], []], 6)
     plain = train.AnswerLoss(model, False)(*args).detach()
-    both = train.AnswerLoss(model, False, image_aux=0.5, end_id=end, image_center=0.25)(*args)
+    both = train.AnswerLoss(model, False, image_aux=0.5, end_id=end, image_center=0.25, glyph_aux=2.0)(*args, glyphs)
     with torch.no_grad():
         f = torch.stack(model.model.get_image_features(pv, grid).pooler_output).double()  # [B, T, D]
         w = model.lm_head.weight.double()
-        p = (f * torch.rsqrt(f.square().mean(-1, keepdim=True) + 1e-30) @ w.T).softmax(-1).mean(1)  # [B, V]
+        pt = (f * torch.rsqrt(f.square().mean(-1, keepdim=True) + 1e-30) @ w.T).softmax(-1)  # [B, T, V]
+        p = pt.mean(1)  # [B, V]
+        ids = lambda ch: builder.tok.encode(ch, add_special_tokens=False).ids  # noqa: E731
+        cell_terms = [  # per labelled cell: the mean over its characters' tokens of -log p
+            -np.mean([float(pt[0, 1, t].log()) for t in ids("A")]),
+            -np.mean([float(pt[0, 4, t].log()) for t in ids("B") + ids("1")]),
+            -np.mean([float(pt[1, 0, t].log()) for t in ids("→")]),
+        ]
+        assert len(ids("→")) == 3, "the check wants a character of several byte tokens"
         bag = []
         for i in range(len(images)):
             toks = [t for t in b["labels"][i].tolist() if t != -100 and t != end]
@@ -135,12 +145,48 @@ def check_image_losses() -> dict:
                 bag.append(-sum(float(p[i, t].log()) for t in toks) / len(toks))
         flat = f.reshape(-1, f.shape[-1])
         center = float(flat.mean(0).square().sum() / flat.square().sum(1).mean())
-    ref = float(plain) + 0.5 * float(np.mean(bag)) + 0.25 * center
+    ref = float(plain) + 0.5 * float(np.mean(bag)) + 0.25 * center + 2.0 * float(np.mean(cell_terms))
     model.zero_grad()
     both.backward()
     vis_grad = float(sum(q.grad.square().sum() for q in model.model.visual.parameters() if q.grad is not None) ** 0.5)
-    return {"rel_err": abs(float(both) - ref) / abs(ref), "bag": float(np.mean(bag)), "center": center,
+    return {"rel_err": abs(float(both.detach()) - ref) / abs(ref), "bag": float(np.mean(bag)), "center": center,
+            "glyph": float(np.mean(cell_terms)),
             "vision_grad_norm": vis_grad}
+
+
+def check_align_loss() -> dict:
+    """AnswerLoss.align_loss (--align-aux) against the attention probabilities that transformers' eager
+    attention returns (head 0 of each full-attention layer), with reading targets built by train.py's own
+    path from a rendered page, and its gradient reaching the decoder and the vision tower."""
+    builder = common.PromptBuilder(common.DEFAULT_TOKENIZER_DIR)
+    cfg = common.model_config("smoke", 4096, builder.ids)
+    torch.manual_seed(0)
+    model = train.build_model(cfg, "eager")
+    spec = train.DataSpec(long_side=(160, 192), chars=(40, 80), body_px=(90, 110), max_seq=640)
+    b = train.make_batch(spec, 3, builder, glyphs=True)
+    page, query, cell = b["reading"]
+    pv, grid = train.pixels_on_device(b["images"], torch.device("cpu"))
+    args = (b["input_ids"], b["labels"], b["position_ids"], pv, grid)
+    plain = train.AnswerLoss(model, False)(*args).detach()
+    loss = train.AnswerLoss(model, False, align_aux=1.0)(*args, None, b["reading"])
+    with torch.no_grad():
+        out = model.model(input_ids=b["input_ids"], pixel_values=pv, image_grid_thw=grid,
+                          position_ids=b["position_ids"], use_cache=False, output_attentions=True)
+        start = int((b["input_ids"][0] == cfg.image_token_id).nonzero()[0, 0])
+        per_layer = []
+        for att in out.attentions:  # [B, heads, L, L], one per full-attention layer
+            rows: dict[tuple[int, int], list[int]] = {}
+            for j, q, c in zip(page.tolist(), query.tolist(), cell.tolist()):
+                rows.setdefault((j, q), []).append(start + c)
+            per_layer.append(np.mean([-float(att[j, 0, q, sorted(set(ks))].double().sum().log())
+                                      for (j, q), ks in rows.items()]))
+    ref = float(plain) + float(np.mean(per_layer))
+    model.zero_grad()
+    loss.backward()
+    grad = lambda mod: float(sum(p.grad.square().sum() for p in mod.parameters() if p.grad is not None) ** 0.5)  # noqa: E731
+    return {"rel_err": abs(float(loss.detach()) - ref) / abs(ref), "align": float(np.mean(per_layer)),
+            "rows": len(set(zip(page.tolist(), query.tolist()))), "pages": int(b["pages"]),
+            "decoder_grad_norm": grad(model.model.language_model), "vision_grad_norm": grad(model.model.visual)}
 
 
 def torchrun(nproc: int, argv: list[str]) -> None:
@@ -155,10 +201,11 @@ def torchrun(nproc: int, argv: list[str]) -> None:
 def check_data_parallel(work: Path) -> dict:
     """2 ranks (DDP: rank r takes global batches 2s + r at step s, gradients averaged) against 1 rank that
     averages the gradients of batches 2s and 2s + 1 (--accum 2): 3 steps each, then each run resumes the
-    other's way for 2 more steps (the data position is one global counter). The 1-rank runs use one thread,
-    as torchrun's ranks do, so that their sums run in the same order."""
+    other's way for 2 more steps (the data position is one global counter), with the training-only image,
+    glyph and reading-alignment terms on. The 1-rank runs use one thread, as torchrun's ranks do, so that
+    their sums run in the same order."""
     a, b = work / "ddp2", work / "accum2"
-    base = ["--smoke", "--ckpt-format", "full", "--workers", "1"]
+    base = ["--smoke", "--ckpt-format", "full", "--workers", "1", "--image-aux", "0.5", "--glyph-aux", "0.5", "--align-aux", "0.5"]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -232,7 +279,9 @@ def main() -> None:
     print("torch GDN reference, chunks of 128 vs 64:", res["gdn_chunk_128_vs_64_rel_err"], flush=True)
     print("pixels:", res["pixels_max_abs_diff_vs_preprocess"], flush=True)
     res["image_losses"] = check_image_losses()
-    print("image aux / center losses vs float64:", res["image_losses"], flush=True)
+    print("image aux / center / glyph losses vs float64:", res["image_losses"], flush=True)
+    res["align_loss"] = check_align_loss()
+    print("reading-alignment loss vs eager attention:", res["align_loss"], flush=True)
 
     n, half = args.steps, args.steps // 2
     a, b, c = args.work / "straight", args.work / "resumed", args.work / "compact"
@@ -278,6 +327,8 @@ def main() -> None:
           and res["batched_greedy"]["step_logits_rel_err_max"] < 1e-4
           and res["pixels_max_abs_diff_vs_preprocess"] < 1e-5
           and res["image_losses"]["rel_err"] < 1e-5 and res["image_losses"]["vision_grad_norm"] > 0
+          and res["align_loss"]["rel_err"] < 1e-5 and res["align_loss"]["rows"] >= 10
+          and res["align_loss"]["decoder_grad_norm"] > 0 and res["align_loss"]["vision_grad_norm"] > 0
           and (not isinstance(res["check_export"], dict)
                or (res["check_export"]["logits_rel_err"] < 1e-4 and res["check_export"]["greedy_equal"]
                    and res["check_export"]["greedy_no_stop_equal"])))

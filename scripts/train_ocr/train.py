@@ -42,10 +42,12 @@ import collections
 import contextlib
 import datetime
 import hashlib
+import html
 import json
 import math
 import os
 import random
+import re
 import signal
 import sys
 import time
@@ -116,18 +118,91 @@ class DataSpec:
         return size, max_chars, n
 
 
-def make_batch(spec: DataSpec, step: int, builder: PromptBuilder) -> dict:
+def make_batch(spec: DataSpec, step: int, builder: PromptBuilder, glyphs: bool = False) -> dict:
     """Batch number `step` of the run's global count (the step's number for one rank without --reuse or
-    --accum): uint8 images, right-padded ids / labels / M-RoPE positions."""
+    --accum): uint8 images, right-padded ids / labels / M-RoPE positions; with `glyphs`, also the targets
+    of AnswerLoss.glyph_loss and .align_loss from where the pages' characters are drawn."""
     size, max_chars, n = spec.step_plan(step, len(builder.prompt_ids))
     cfg = spec.page_config(size=size, max_chars=max_chars)
-    images, answers, chars = [], [], 0
+    images, answers, chars, cells, reading = [], [], 0, [], []
+    cell = MERGE * PATCH  # the pixels of one merged image token
     for j in range(n):
-        img, md, meta = synthdoc.generate_page(synthdoc.page_seed("train", step * PAGES_PER_STEP_MAX + j, spec.seed), cfg)
+        img, md, meta = synthdoc.generate_page(synthdoc.page_seed("train", step * PAGES_PER_STEP_MAX + j, spec.seed), cfg,
+                                               glyphs=glyphs)
         images.append(np.asarray(img, dtype=np.uint8))
         answers.append(md)
         chars += len(md)
-    return {"step": step, **pack_batch(builder, images, answers, spec.max_seq), "chars": chars}
+        if glyphs:
+            h, w = images[-1].shape[:2]
+            drawn = [(int(y) // cell * (w // cell) + int(x) // cell if 0 <= x < w and 0 <= y < h else -1, ch)
+                     for x, y, ch in meta["glyphs"]]
+            cells.append([(c, ch) for c, ch in drawn if c >= 0])
+            reading.append(token_cells(builder, md, drawn))
+    batch = {"step": step, **pack_batch(builder, images, answers, spec.max_seq), "chars": chars}
+    if glyphs:
+        h, w = images[0].shape[:2]
+        batch["glyphs"] = glyph_targets(builder, cells, (h // cell) * (w // cell))
+        batch["reading"] = reading_targets(reading, len(builder.prompt(h // PATCH, w // PATCH)), batch["labels"].shape[1])
+    return batch
+
+
+_MARKUP = re.compile(r"<[^>]*>|&(?:amp|lt|gt|quot|#\d+|#x[0-9a-fA-F]+);")
+
+
+def md_glyph_index(md: str, drawn: list[str]) -> list[int]:
+    """For each character of a page's Markdown, the index of the drawn glyph it is (-1: markup or not drawn),
+    matching the drawn characters in reading order against the Markdown's (they are a subsequence of it,
+    tests/test_synthdoc.py) and skipping HTML tags; an entity (&amp;) stands for its character at its '&'."""
+    plain: list[tuple[int, str]] = []  # (index in md, character) of what could be drawn
+    i = 0
+    for m in _MARKUP.finditer(md):
+        plain += [(k, md[k]) for k in range(i, m.start())]
+        if m.group(0).startswith("&"):
+            plain.append((m.start(), html.unescape(m.group(0))))
+        i = m.end()
+    plain += [(k, md[k]) for k in range(i, len(md))]
+    out = [-1] * len(md)
+    g = 0
+    for k, ch in plain:
+        if g < len(drawn) and ch == drawn[g]:
+            out[k] = g
+            g += 1
+    return out
+
+
+def token_cells(builder: PromptBuilder, md: str, drawn: list[tuple[int, str]]) -> list[list[int]]:
+    """For each answer token of a page (builder.answer's, <|im_end|> last), the merged-token cells that show
+    its characters (empty for markup, spaces and <|im_end|>)."""
+    glyph_of = md_glyph_index(md, [ch for _, ch in drawn])
+    enc = builder.tok.encode(md, add_special_tokens=False)
+    out = []
+    for a, b in enc.offsets:
+        out.append(sorted({drawn[g][0] for g in glyph_of[a:b] if g >= 0 and drawn[g][0] >= 0}))
+    return out + [[]]
+
+
+def reading_targets(pages: list[list[list[int]]], prompt_len: int, seq_len: int) -> tuple[torch.Tensor, ...]:
+    """AnswerLoss.align_loss's targets: (page, query position, cell), one row per cell of an answer token, the
+    query being the position that predicts that token (prompt_len + k - 1 for answer token k)."""
+    rows = [(j, prompt_len + k - 1, c) for j, toks in enumerate(pages) for k, tok_cells in enumerate(toks)
+            for c in tok_cells if prompt_len + k < seq_len]
+    page, query, cell = zip(*rows) if rows else ((), (), ())
+    return tuple(torch.tensor(v, dtype=torch.long) for v in (page, query, cell))
+
+
+def glyph_targets(builder: PromptBuilder, cells: list[list[tuple[int, str]]],
+                  cells_per_image: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """AnswerLoss.glyph_loss's targets from each image's glyphs as (merged-token cell, character): (cell over
+    the batch, token id, weight), a character's token ids (one, or a few bytes' for rare characters) and the
+    characters of one cell sharing the cell's weight of 1."""
+    per_cell: dict[int, list[int]] = {}
+    for j, image_cells in enumerate(cells):
+        for cell, ch in image_cells:
+            per_cell.setdefault(j * cells_per_image + cell, []).extend(builder.char_ids(ch))
+    flat = [(cell, t, 1.0 / len(toks)) for cell, toks in per_cell.items() for t in toks]
+    cell_t, id_t, w_t = zip(*flat) if flat else ((), (), ())
+    return (torch.tensor(cell_t, dtype=torch.long), torch.tensor(id_t, dtype=torch.long),
+            torch.tensor(w_t, dtype=torch.float32))
 
 
 def pack_batch(builder: PromptBuilder, images: list[np.ndarray], answers: list[str], max_seq: int) -> dict:
@@ -167,8 +242,8 @@ class StepBatches(torch.utils.data.IterableDataset):
     """Batches number start, start + stride, start + 2 * stride, ...: worker w makes the (w + k * workers)-th,
     and the DataLoader hands them out round-robin, so they arrive in that order."""
 
-    def __init__(self, spec: DataSpec, start: int, stride: int, tok_dir: str) -> None:
-        self.spec, self.start, self.stride, self.tok_dir = spec, start, stride, tok_dir
+    def __init__(self, spec: DataSpec, start: int, stride: int, tok_dir: str, glyphs: bool = False) -> None:
+        self.spec, self.start, self.stride, self.tok_dir, self.glyphs = spec, start, stride, tok_dir, glyphs
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
@@ -176,7 +251,7 @@ class StepBatches(torch.utils.data.IterableDataset):
         builder = PromptBuilder(Path(self.tok_dir))
         k = wid
         while True:
-            yield make_batch(self.spec, self.start + k * self.stride, builder)
+            yield make_batch(self.spec, self.start + k * self.stride, builder, self.glyphs)
             k += nw
 
 
@@ -242,15 +317,23 @@ class AnswerLoss(torch.nn.Module):
     collapse to one vector within ~50 steps and the answer never depends on the image)."""
 
     def __init__(self, model, autocast: bool, image_aux: float = 0.0, end_id: int = -100,
-                 image_center: float = 0.0) -> None:
+                 image_center: float = 0.0, glyph_aux: float = 0.0, align_aux: float = 0.0) -> None:
         super().__init__()
         self.model, self.autocast, self.image_aux, self.end_id = model, autocast, image_aux, end_id
-        self.image_center = image_center
+        self.image_center, self.glyph_aux, self.align_aux = image_center, glyph_aux, align_aux
 
-    def forward(self, ids, labels, pos, pv, grid):
+    def forward(self, ids, labels, pos, pv, grid, glyphs=None, reading=None):
         feats: list[torch.Tensor] = []
-        merger = self.model.model.visual.merger
-        hook = merger.register_forward_hook(lambda m, i, out: feats.append(out)) if self.image_aux or self.image_center else None
+        attn_inputs: list[tuple] = []  # (attention module, its hidden_states, position_embeddings)
+        hooks = []
+        if self.image_aux or self.image_center or (self.glyph_aux and glyphs is not None):
+            hooks.append(self.model.model.visual.merger.register_forward_hook(lambda m, i, out: feats.append(out)))
+        if self.align_aux and reading is not None:
+            for layer in self.model.model.language_model.layers:
+                if hasattr(layer, "self_attn"):  # the full-attention layers
+                    hooks.append(layer.self_attn.register_forward_pre_hook(
+                        lambda m, a, kw: attn_inputs.append((m, kw["hidden_states"], kw["position_embeddings"])),
+                        with_kwargs=True))
         try:
             with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=self.autocast):
                 hidden = self.model.model(input_ids=ids, pixel_values=pv, image_grid_thw=grid, position_ids=pos,
@@ -259,28 +342,83 @@ class AnswerLoss(torch.nn.Module):
                 sel = tgt != -100
                 logits = self.model.lm_head(hidden[:, :-1][sel])
         finally:
-            if hook is not None:
+            for hook in hooks:
                 hook.remove()
         loss = F.cross_entropy(logits.float(), tgt[sel])
-        if not feats:
+        if not hooks:
             return loss
         self.terms = {"answer": loss.detach()}  # the last call's parts, unweighted (logged by rank 0)
+        if attn_inputs:
+            image_start = int((ids[0] == self.model.config.image_token_id).nonzero()[0, 0])
+            self.terms["align_aux"] = torch.stack([self.align_loss(*a, reading, image_start) for a in attn_inputs]).mean()
+            loss = loss + self.align_aux * self.terms["align_aux"]
+        if not feats:
+            return loss
+        logp = self.image_token_logp(feats[0]) if self.image_aux or (self.glyph_aux and glyphs is not None) else None
         if self.image_aux:
-            self.terms["image_aux"] = self.image_bag_loss(feats[0], labels, grid)
+            self.terms["image_aux"] = self.image_bag_loss(logp, labels, grid)
             loss = loss + self.image_aux * self.terms["image_aux"]
+        if self.glyph_aux and glyphs is not None:
+            self.terms["glyph_aux"] = self.glyph_loss(logp, glyphs)
+            loss = loss + self.glyph_aux * self.terms["glyph_aux"]
         if self.image_center:
             f = feats[0].float()
             self.terms["image_center"] = f.mean(0).square().sum() / f.square().sum(1).mean()
             loss = loss + self.image_center * self.terms["image_center"]
         return loss
 
-    def image_bag_loss(self, feats, labels, grid):
-        """Each image's merged tokens, read through the tied LM head as if they were token embeddings
-        (RMS-normalised), must together predict the bag of its answer's tokens (<|im_end|> left out):
-        -sum_v q(v) log( mean_t softmax(lm_head(rms(f_t)))_v ), q the answer's token frequencies."""
+    def align_loss(self, attn, hidden, position_embeddings, reading, image_start: int):
+        """Guided attention for reading (cf. attention-drift correction in scene-text recognition): head 0 of
+        a full-attention layer, at the position that predicts an answer token, should put its attention on
+        the image cells that show that token's characters: -log sum_(target cells) softmax(q . k / sqrt(d)),
+        averaged over the supervised positions. q and k are recomputed for head 0 exactly as the layer
+        computes them (q_proj's first head without its gate half, q/k RMSNorm, M-RoPE); causal.
+        reading = (page, query position, cell), three 1-D tensors (train.reading_targets)."""
+        from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
+
+        page, query, cell = reading
+        if page.numel() == 0:
+            return hidden.sum() * 0.0
+        hd = attn.head_dim
+        with torch.autocast(hidden.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            q = attn.q_norm(F.linear(hidden, attn.q_proj.weight[:hd],
+                                     None if attn.q_proj.bias is None else attn.q_proj.bias[:hd]))
+            k = attn.k_norm(F.linear(hidden, attn.k_proj.weight[:hd],
+                                     None if attn.k_proj.bias is None else attn.k_proj.bias[:hd]))
+        cos, sin = position_embeddings
+        q, k = apply_rotary_pos_emb(q.float()[:, None], k.float()[:, None], cos.float(), sin.float())
+        scores = (q[:, 0] @ k[:, 0].transpose(1, 2)) * attn.scaling  # [B, L, L]
+        # one row per supervised (page, query); its target cells as a mask over the keys
+        key = torch.stack([page, query], 1)
+        rows, row_of = torch.unique(key, dim=0, return_inverse=True)
+        s_rows = scores[rows[:, 0], rows[:, 1]]  # [R, L]
+        keys = torch.arange(s_rows.shape[1], device=s_rows.device)
+        s_rows = s_rows.masked_fill(keys[None, :] > rows[:, 1:2], float("-inf"))
+        target = torch.zeros_like(s_rows, dtype=torch.bool)
+        target[row_of, image_start + cell] = True
+        return (torch.logsumexp(s_rows, 1) - torch.logsumexp(s_rows.masked_fill(~target, float("-inf")), 1)).mean()
+
+    def image_token_logp(self, feats):
+        """Log-probabilities of the merged image tokens read through the tied LM head as if they were token
+        embeddings (RMS-normalised): [image tokens of the batch, V]."""
         with torch.autocast(feats.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             logits = self.model.lm_head(F.rms_norm(feats, (feats.shape[-1],)))
-        logp = logits.float().log_softmax(-1)
+        return logits.float().log_softmax(-1)
+
+    @staticmethod
+    def glyph_loss(logp, glyphs):
+        """Dense supervision of the vision tower from the renderer's layout: every merged image token whose
+        32 x 32 px cell holds glyph centres must predict those characters' token ids (a soft target, the
+        weights of one cell summing to 1): -sum_(cell, id) w log p_cell(id) / (cells with glyphs).
+        glyphs = (cell index over the batch's image tokens, token id, weight), three 1-D tensors."""
+        cells, ids, weights = glyphs
+        if cells.numel() == 0:
+            return logp.sum() * 0.0
+        return -(weights * logp[cells, ids]).sum() / weights.sum()
+
+    def image_bag_loss(self, logp, labels, grid):
+        """Each image's merged tokens (image_token_logp) must together predict the bag of its answer's tokens
+        (<|im_end|> left out): -sum_v q(v) log( mean_t p_t(v) ), q the answer's token frequencies."""
         keep = (labels != -100) & (labels != self.end_id)
         q = torch.zeros(labels.shape[0], logp.shape[-1], device=logp.device)
         q.scatter_add_(1, labels.clamp_min(0), keep.float())
@@ -549,6 +687,12 @@ def parse_args(argv=None):
     ap.add_argument("--image-center", type=float, default=0.0,
                     help="weight of the penalty on the common component of the image features (|mean f|^2 / mean |f|^2): "
                          "without it they collapse to one vector within the first ~50 steps")
+    ap.add_argument("--glyph-aux", type=float, default=0.0,
+                    help="weight of AnswerLoss.glyph_loss (each merged image token predicts the characters drawn in its "
+                         "32 x 32 px cell, from the generator's layout; 0: off)")
+    ap.add_argument("--align-aux", type=float, default=0.0,
+                    help="weight of AnswerLoss.align_loss (head 0 of each attention layer, predicting an answer token, "
+                         "attends to the image cells that show it; 0: off)")
     ap.add_argument("--reuse", type=int, default=1,
                     help="steps per fresh batch: the others replay one of the last --replay-batches (when data-bound)")
     ap.add_argument("--replay-batches", type=int, default=8)
@@ -739,11 +883,12 @@ def main(argv=None) -> dict:
     # rank r of W: the global batch numbers rs.batches + r + k * W, in order
     workers = max(0, (os.cpu_count() or 2) // world - 1) if args.workers < 0 else args.workers
     loader = torch.utils.data.DataLoader(
-        StepBatches(spec, rs.batches + rank, world, str(tok_dir)), batch_size=None, num_workers=workers,
+        StepBatches(spec, rs.batches + rank, world, str(tok_dir), args.glyph_aux > 0 or args.align_aux > 0), batch_size=None, num_workers=workers,
         pin_memory=device.type == "cuda", prefetch_factor=2 if workers else None, persistent_workers=False,
         worker_init_fn=ignore_sigterm)
     forward = answer_loss = AnswerLoss(model, autocast, image_aux=args.image_aux, end_id=builder.ids["<|im_end|>"],
-                                       image_center=args.image_center)
+                                       image_center=args.image_center, glyph_aux=args.glyph_aux,
+                                       align_aux=args.align_aux)
     if world > 1:  # averages the gradients over the ranks during backward
         forward = torch.nn.parallel.DistributedDataParallel(forward, device_ids=[device.index] if device.type == "cuda" else None)
 
@@ -866,7 +1011,9 @@ def main(argv=None) -> dict:
             pv, grid = pixels_on_device(batch["images"], device)
             # the ranks average their gradients once, in the group's last backward
             with forward.no_sync() if world > 1 and i + 1 < len(group) else contextlib.nullcontext():
-                part = forward(ids, labels, pos, pv, grid) / len(group)
+                glyphs, reading = (tuple(t.to(device, non_blocking=True) for t in batch[k]) if k in batch else None
+                                   for k in ("glyphs", "reading"))
+                part = forward(ids, labels, pos, pv, grid, glyphs, reading) / len(group)
                 part.backward()
             parts.append(part.detach())
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)

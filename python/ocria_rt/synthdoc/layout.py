@@ -72,6 +72,24 @@ def draw_ops(draw: Any, ops: list[Op]) -> None:
             draw.ellipse([round(x0), round(y0), round(x1), round(y1)], fill=fill, outline=outline)
 
 
+def text_glyphs(ops: list[Op]) -> list[tuple[float, float, str]]:
+    """The centre (x, y) of every visible character that the text operations of `ops` draw, as draw_ops
+    places them (x advanced by the font's length of the text before it, y from the glyph's box about the
+    baseline): the per-character ground truth of where the text is on the page."""
+    out: list[tuple[float, float, str]] = []
+    for op in ops:
+        if op[0] != "t":
+            continue
+        _, x, y, text, font, _bold, _fill = op
+        x0, base = round(x), round(y)
+        for i, ch in enumerate(text):
+            if ch.isspace():
+                continue
+            left, top, right, bottom = font.getbbox(ch, anchor="ls")
+            out.append((x0 + font.getlength(text[:i]) + (left + right) / 2, base + (top + bottom) / 2, ch))
+    return out
+
+
 @dataclass
 class Laid:
     """A laid-out block: size, draw operations (relative to its top-left) and Markdown."""

@@ -23,7 +23,7 @@ from PIL import Image, ImageDraw
 
 from .fonts import FontFamily, available_families
 from .layout import (TABLE_STYLES, Block, Heading, KeyValue, Laid, Lines, ListBlock, ListItem, Paragraph, Table,
-                     Typo, draw_ops, shift_ops)
+                     Typo, draw_ops, shift_ops, text_glyphs)
 from .noise import scan_noise
 from .text import TextSource, faker_available, pick_locale
 
@@ -679,11 +679,14 @@ def compose(seed: int, cfg: PageConfig) -> dict[str, Any]:
     return {"blocks": blocks, "rules": rules, "markdown": md, "meta": meta}
 
 
-def generate_page(seed: int, config: PageConfig | None = None) -> tuple[Image.Image | None, str, dict[str, Any]]:
+def generate_page(seed: int, config: PageConfig | None = None,
+                  glyphs: bool = False) -> tuple[Image.Image | None, str, dict[str, Any]]:
     """The page of `seed`: (RGB image, its Markdown, meta). Deterministic for a seed and a machine's fonts.
 
     meta: seed, layout, width, height, font_family, body_px, locale, faker, blocks (kinds in reading
-    order), tables (rows / cols / header / style of each, in order), chars, noise (what was applied).
+    order), tables (rows / cols / header / style of each, in order), chars, noise (what was applied);
+    with `glyphs`, also glyphs: [x, y, character] of every visible character drawn, its centre in the
+    final image's pixels (after the scan noise's rotation).
     """
     cfg = config or PageConfig()
     seed = int(seed)
@@ -701,7 +704,22 @@ def generate_page(seed: int, config: PageConfig | None = None) -> tuple[Image.Im
         draw_ops(draw, shift_ops(laid.ops, x, y))
     img, info = scan_noise(img, np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, 7]), cfg.noise)
     meta["noise"] = info
+    if glyphs:
+        centres = [g for x, y, laid in doc["blocks"] for g in text_glyphs(shift_ops(laid.ops, x, y))]
+        meta["glyphs"] = [[round(gx, 1), round(gy, 1), ch] for gx, gy, ch in
+                          rotate_points(centres, info.get("rotate", 0.0), meta["width"], meta["height"])]
     return img, doc["markdown"], meta
+
+
+def rotate_points(points: list[tuple[float, float, str]], angle: float, w: int, h: int) -> list[tuple[float, float, str]]:
+    """Where Image.rotate(angle) (degrees, counter-clockwise about the centre, size kept) moves points of a
+    w x h image: with y pointing down, (dx, dy) -> (dx cos a + dy sin a, -dx sin a + dy cos a)."""
+    if not angle:
+        return points
+    a = math.radians(angle)
+    c, s = math.cos(a), math.sin(a)
+    cx, cy = w / 2, h / 2
+    return [(cx + (x - cx) * c + (y - cy) * s, cy - (x - cx) * s + (y - cy) * c, ch) for x, y, ch in points]
 
 
 def with_overrides(cfg: PageConfig | None, **kw: Any) -> PageConfig:
