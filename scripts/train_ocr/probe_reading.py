@@ -4,6 +4,8 @@
     python scripts/train_ocr/probe_reading.py --json /tmp/probe.json             # learns: ~95 % exact in 5 min
     python scripts/train_ocr/probe_reading.py --blank                            # control: constant images
     python scripts/train_ocr/probe_reading.py --image-aux 0 --image-center 0     # train.py's default recipe
+    python scripts/train_ocr/probe_reading.py --layout free --chars 3 6 --size 64 192 --glyph-aux 1 --align-aux 1
+        # characters at a random size and place: image-blind without the glyph / alignment terms
 
 Each example is a small white image (--size H W, multiples of 32) showing a random string of --chars
 digits / uppercase letters, drawn with Pillow's font either one character per 32 x 32 cell (one merged
