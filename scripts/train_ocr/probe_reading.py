@@ -81,7 +81,7 @@ def render(key: str, size: tuple[int, int], n_chars: tuple[int, int], layout: st
             gx0, gy0, gx1, gy1 = font.getbbox(ch)
             cx = x + font.getlength(text[:i]) + (gx0 + gx1) / 2
             cy = y + (gy0 + gy1) / 2
-            glyphs.append((int(cy) // 32 * (w // 32) + int(cx) // 32, ch))
+            glyphs.append((train.image_cell(cx, cy, h, w), ch))
     return np.asarray(img, dtype=np.uint8), text, glyphs
 
 
@@ -89,7 +89,7 @@ def batch(args, builder, split: str, first: int, n: int) -> tuple[dict, list[str
     ex = [render(f"{split}:{args.seed}:{first + j}", tuple(args.size), tuple(args.chars), args.layout, args.blank)
           for j in range(n)]
     b = train.pack_batch(builder, [im for im, _, _ in ex], [t for _, t, _ in ex], 4096)
-    b["glyphs"] = train.glyph_targets(builder, [g for _, _, g in ex], (args.size[0] // 32) * (args.size[1] // 32))
+    b["glyphs"] = train.glyph_targets(builder, [g for _, _, g in ex], tuple(args.size))
     prompt_len = len(builder.prompt(args.size[0] // 16, args.size[1] // 16))
     b["reading"] = train.reading_targets([train.token_cells(builder, t, g) for _, t, g in ex], prompt_len,
                                          b["labels"].shape[1])

@@ -123,7 +123,7 @@ def check_image_losses() -> dict:
     args = (b["input_ids"], b["labels"], b["position_ids"], pv, grid)
     end = builder.ids["<|im_end|>"]
     # glyphs: image 0 shows "A" in cell 1 and "B1" in cell 4, image 1 "→" (three byte tokens) in cell 0
-    glyphs = train.glyph_targets(builder, [[(1, "A"), (4, "B"), (4, "1")], [(0, "→")], [], []], 6)
+    glyphs = train.glyph_targets(builder, [[(1, "A"), (4, "B"), (4, "1")], [(0, "→")], [], []], (64, 96))
     plain = train.AnswerLoss(model, False)(*args).detach()
     both = train.AnswerLoss(model, False, image_aux=0.5, end_id=end, image_center=0.25, glyph_aux=2.0)(*args, glyphs)
     with torch.no_grad():

@@ -125,7 +125,6 @@ def make_batch(spec: DataSpec, step: int, builder: PromptBuilder, glyphs: bool =
     size, max_chars, n = spec.step_plan(step, len(builder.prompt_ids))
     cfg = spec.page_config(size=size, max_chars=max_chars)
     images, answers, chars, cells, reading = [], [], 0, [], []
-    cell = MERGE * PATCH  # the pixels of one merged image token
     for j in range(n):
         img, md, meta = synthdoc.generate_page(synthdoc.page_seed("train", step * PAGES_PER_STEP_MAX + j, spec.seed), cfg,
                                                glyphs=glyphs)
@@ -134,16 +133,22 @@ def make_batch(spec: DataSpec, step: int, builder: PromptBuilder, glyphs: bool =
         chars += len(md)
         if glyphs:
             h, w = images[-1].shape[:2]
-            drawn = [(int(y) // cell * (w // cell) + int(x) // cell if 0 <= x < w and 0 <= y < h else -1, ch)
-                     for x, y, ch in meta["glyphs"]]
-            cells.append([(c, ch) for c, ch in drawn if c >= 0])
+            drawn = [(image_cell(x, y, h, w), ch) for x, y, ch in meta["glyphs"]]
+            cells.append(drawn)
             reading.append(token_cells(builder, md, drawn))
     batch = {"step": step, **pack_batch(builder, images, answers, spec.max_seq), "chars": chars}
     if glyphs:
         h, w = images[0].shape[:2]
-        batch["glyphs"] = glyph_targets(builder, cells, (h // cell) * (w // cell))
+        batch["glyphs"] = glyph_targets(builder, cells, (h, w))
         batch["reading"] = reading_targets(reading, len(builder.prompt(h // PATCH, w // PATCH)), batch["labels"].shape[1])
     return batch
+
+
+def image_cell(x: float, y: float, h: int, w: int) -> int:
+    """The merged image token (its 32 x 32 px cell, in the raster order the merger emits them) that holds
+    pixel (x, y) of an h x w image; -1 outside the image."""
+    cell = MERGE * PATCH
+    return int(y) // cell * (w // cell) + int(x) // cell if 0 <= x < w and 0 <= y < h else -1
 
 
 _MARKUP = re.compile(r"<[^>]*>|&(?:amp|lt|gt|quot|#\d+|#x[0-9a-fA-F]+);")
@@ -191,14 +196,17 @@ def reading_targets(pages: list[list[list[int]]], prompt_len: int, seq_len: int)
 
 
 def glyph_targets(builder: PromptBuilder, cells: list[list[tuple[int, str]]],
-                  cells_per_image: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """AnswerLoss.glyph_loss's targets from each image's glyphs as (merged-token cell, character): (cell over
-    the batch, token id, weight), a character's token ids (one, or a few bytes' for rare characters) and the
-    characters of one cell sharing the cell's weight of 1."""
+                  image_hw: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """AnswerLoss.glyph_loss's targets from each image's glyphs as (merged-token cell, character; cell -1: off
+    the image, left out), the images all image_hw pixels: (cell over the batch, token id, weight), a
+    character's token ids (one, or a few bytes' for rare characters) and the characters of one cell sharing
+    the cell's weight of 1."""
+    cells_per_image = (image_hw[0] // (MERGE * PATCH)) * (image_hw[1] // (MERGE * PATCH))
     per_cell: dict[int, list[int]] = {}
     for j, image_cells in enumerate(cells):
         for cell, ch in image_cells:
-            per_cell.setdefault(j * cells_per_image + cell, []).extend(builder.char_ids(ch))
+            if cell >= 0:
+                per_cell.setdefault(j * cells_per_image + cell, []).extend(builder.char_ids(ch))
     flat = [(cell, t, 1.0 / len(toks)) for cell, toks in per_cell.items() for t in toks]
     cell_t, id_t, w_t = zip(*flat) if flat else ((), (), ())
     return (torch.tensor(cell_t, dtype=torch.long), torch.tensor(id_t, dtype=torch.long),
