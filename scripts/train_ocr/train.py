@@ -322,7 +322,9 @@ class AnswerLoss(torch.nn.Module):
 
     image_aux > 0 adds that multiple of image_bag_loss: a direct signal for the vision tower, which otherwise
     learns only through a decoder that cannot use it yet (probe_reading.py: without it the image features
-    collapse to one vector within ~50 steps and the answer never depends on the image)."""
+    collapse to one vector within ~50 steps and the answer never depends on the image). glyph_aux and
+    align_aux add glyph_loss (what each image cell shows) and align_loss (where to read each answer token),
+    given the targets that make_batch(..., glyphs=True) derives from where the characters were drawn."""
 
     def __init__(self, model, autocast: bool, image_aux: float = 0.0, end_id: int = -100,
                  image_center: float = 0.0, glyph_aux: float = 0.0, align_aux: float = 0.0) -> None:
@@ -891,7 +893,8 @@ def main(argv=None) -> dict:
     # rank r of W: the global batch numbers rs.batches + r + k * W, in order
     workers = max(0, (os.cpu_count() or 2) // world - 1) if args.workers < 0 else args.workers
     loader = torch.utils.data.DataLoader(
-        StepBatches(spec, rs.batches + rank, world, str(tok_dir), args.glyph_aux > 0 or args.align_aux > 0), batch_size=None, num_workers=workers,
+        StepBatches(spec, rs.batches + rank, world, str(tok_dir), glyphs=args.glyph_aux > 0 or args.align_aux > 0),
+        batch_size=None, num_workers=workers,
         pin_memory=device.type == "cuda", prefetch_factor=2 if workers else None, persistent_workers=False,
         worker_init_fn=ignore_sigterm)
     forward = answer_loss = AnswerLoss(model, autocast, image_aux=args.image_aux, end_id=builder.ids["<|im_end|>"],
