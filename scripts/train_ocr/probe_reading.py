@@ -77,11 +77,10 @@ def render(key: str, size: tuple[int, int], n_chars: tuple[int, int], layout: st
         x = rng.randint(0, w - (x1 - x0) - 1) - x0
         y = rng.randint(0, h - (y1 - y0) - 1) - y0
         draw.text((x, y), text, font=font, fill=(ink, ink, ink))
-        for i, ch in enumerate(text):
-            gx0, gy0, gx1, gy1 = font.getbbox(ch)
-            cx = x + font.getlength(text[:i]) + (gx0 + gx1) / 2
-            cy = y + (gy0 + gy1) / 2
-            glyphs.append((train.image_cell(cx, cy, h, w), ch))
+        # the glyph centres as synthdoc computes them, for the same text drawn from its baseline
+        baseline = y + font.getmetrics()[0]
+        glyphs = [(train.image_cell(cx, cy, h, w), ch)
+                  for cx, cy, ch in synthdoc.layout.text_glyphs([("t", x, baseline, text, font, 0, None)])]
     return np.asarray(img, dtype=np.uint8), text, glyphs
 
 
@@ -90,8 +89,7 @@ def batch(args, builder, split: str, first: int, n: int) -> tuple[dict, list[str
           for j in range(n)]
     b = train.pack_batch(builder, [im for im, _, _ in ex], [t for _, t, _ in ex], 4096)
     b["glyphs"] = train.glyph_targets(builder, [g for _, _, g in ex], tuple(args.size))
-    prompt_len = len(builder.prompt(args.size[0] // 16, args.size[1] // 16))
-    b["reading"] = train.reading_targets([train.token_cells(builder, t, g) for _, t, g in ex], prompt_len,
+    b["reading"] = train.reading_targets([train.token_cells(builder, t, g) for _, t, g in ex], b["prompt_len"],
                                          b["labels"].shape[1])
     return b, [t for _, t, _ in ex]
 

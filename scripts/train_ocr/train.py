@@ -140,7 +140,7 @@ def make_batch(spec: DataSpec, step: int, builder: PromptBuilder, glyphs: bool =
     if glyphs:
         h, w = images[0].shape[:2]
         batch["glyphs"] = glyph_targets(builder, cells, (h, w))
-        batch["reading"] = reading_targets(reading, len(builder.prompt(h // PATCH, w // PATCH)), batch["labels"].shape[1])
+        batch["reading"] = reading_targets(reading, batch["prompt_len"], batch["labels"].shape[1])
     return batch
 
 
@@ -216,7 +216,7 @@ def glyph_targets(builder: PromptBuilder, cells: list[list[tuple[int, str]]],
 def pack_batch(builder: PromptBuilder, images: list[np.ndarray], answers: list[str], max_seq: int) -> dict:
     """Images of one size (uint8 [H, W, 3], sides multiples of 32) and their answers (text) -> the training
     tensors: images [B, H, W, 3], right-padded ids / labels (-100 but on the answer tokens) / M-RoPE
-    positions [3, B, L] (L a multiple of 64)."""
+    positions [3, B, L] (L a multiple of 64), and prompt_len (the answers start there)."""
     h, w = images[0].shape[:2]
     gh, gw = h // PATCH, w // PATCH
     prompt = builder.prompt(gh, gw)
@@ -243,7 +243,7 @@ def pack_batch(builder: PromptBuilder, images: list[np.ndarray], answers: list[s
         pos[:, i, len(prompt):] = nxt + np.arange(L - len(prompt))
     return {"images": torch.from_numpy(np.stack(images)), "input_ids": torch.from_numpy(ids),
             "labels": torch.from_numpy(labels), "position_ids": torch.from_numpy(pos),
-            "tokens": sum(len(s) for s in seqs), "answer_tokens": n_ans, "pages": n}
+            "tokens": sum(len(s) for s in seqs), "answer_tokens": n_ans, "pages": n, "prompt_len": len(prompt)}
 
 
 class StepBatches(torch.utils.data.IterableDataset):
