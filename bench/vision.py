@@ -188,9 +188,9 @@ def make_parse_model_dir(random_dir: Path, directory: Path) -> Path:
     tokenizer's. The weights stay random (the Markdown is noise); shapes and work per page are real."""
     import shutil
 
-    from ocria_rt.pipeline import default_vlm_dir
+    import ocria_rt
 
-    small = default_vlm_dir()
+    small = Path(ocria_rt.__file__).resolve().parent / "models" / "tiny-vlm"
     directory.mkdir(parents=True, exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copyfile(small / name, directory / name)

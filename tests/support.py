@@ -7,6 +7,8 @@ from pathlib import Path
 import numpy as np
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
+PACKAGE_MODELS = Path(__file__).resolve().parent.parent / "python" / "ocria_rt" / "models"
+TINY_RANDOM = PACKAGE_MODELS / "tiny-random"  # random weights: the engine tests' small text model
 MODEL_FIXTURES = ["text_tied", "text_untied_dkdv", "vlm_untied"]
 
 

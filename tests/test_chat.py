@@ -22,7 +22,7 @@ from ocria_rt.chat import (
     load_chat_template,
     vision_token_ids,
 )
-from support import FIXTURES, relerr
+from support import FIXTURES, TINY_RANDOM, relerr
 
 TINY_VLM = Path(ocria_rt.__file__).resolve().parent / "models" / "tiny-vlm"
 REF = dict(np.load(FIXTURES / "tiny_vlm_ref.npz"))
@@ -159,10 +159,10 @@ def test_chat_errors(vlm, tmp_path):
     with pytest.raises(ocria_rt.InvalidArgumentError, match="placeholder"):
         build_multimodal_prompt(vlm, [{"role": "user", "content": [img, {"type": "text", "text": "<|image_pad|>"}]}])
     # a text-only model takes no images
-    text_only = ocria_rt.Engine()
-    if not text_only.config.get("has_vision"):
-        with pytest.raises(ocria_rt.InvalidArgumentError, match="no vision encoder"):
-            build_multimodal_prompt(text_only, [{"role": "user", "content": [img]}])
+    text_only = ocria_rt.Engine(TINY_RANDOM)
+    assert not text_only.config.get("has_vision")
+    with pytest.raises(ocria_rt.InvalidArgumentError, match="no vision encoder"):
+        build_multimodal_prompt(text_only, [{"role": "user", "content": [img]}])
 
 
 def test_template_lookup_order(tmp_path):

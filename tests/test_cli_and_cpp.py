@@ -38,14 +38,15 @@ def test_cli_json_matches_python_api():
 
 
 def test_cli_eval_scores_held_out_pages_like_the_python_api(tmp_path):
-    from ocria_rt.synthdoc import evaluate
+    from ocria_rt.synthdoc import evaluate, training_page_config
 
     out = tmp_path / "eval.json"
     r = cli("eval", "--pages", "2", "--max-new-tokens", "24", "--json", str(out), "--seed", "3")
     assert r.returncode == 0, r.stderr
     assert "held-out pages" in r.stdout and "CER" in r.stdout
     got = json.loads(out.read_text())
-    expected = evaluate(ocria_rt.Engine(ocria_rt.pipeline.default_vlm_dir()), n_pages=2, seed=3, max_new_tokens=24)
+    model = ocria_rt.default_model_dir()  # its pages: the model's training distribution (training.json)
+    expected = evaluate(ocria_rt.Engine(model), n_pages=2, seed=3, max_new_tokens=24, config=training_page_config(model))
     assert got["pages"] == 2 and [p["seed"] for p in got["per_page"]] == [p["seed"] for p in expected["per_page"]]
     assert got["cer"] == pytest.approx(expected["cer"]) and got["tables"] == expected["tables"]
     assert all(p["seed"] % 2 == 1 for p in got["per_page"]), "held-out pages have odd seeds"
@@ -54,7 +55,7 @@ def test_cli_eval_scores_held_out_pages_like_the_python_api(tmp_path):
 def _vlm_with_training_json(tmp_path: Path, data) -> Path:
     """The shipped tiny VLM plus the training.json an exported training checkpoint carries."""
     d = tmp_path / "vlm"
-    shutil.copytree(ocria_rt.pipeline.default_vlm_dir(), d)
+    shutil.copytree(ocria_rt.default_model_dir(), d)
     (d / "training.json").write_text(json.dumps({"preset": "small", "step": 1, "data": data}))
     return d
 

@@ -322,9 +322,19 @@ def test_cli_parse_input_errors_write_nothing(files, tmp_path, key, args, match)
     assert [x.name for x in tmp_path.iterdir()] == ["out.md"]
 
 
-def test_cli_parse_usage_error():
+def test_cli_parse_usage_error(tmp_path):
     r = subprocess.run([sys.executable, "-m", "ocria_rt.cli", "parse"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "INPUT" in r.stderr
+    r = cli("--sample", tmp_path / "a.pdf")
+    assert r.returncode == 2 and "not both" in r.stderr
+
+
+def test_cli_parse_sample_prints_markdown_and_its_score():
+    r = cli("--sample", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    n = len(json.loads(ocria_rt.sample_document().with_suffix(".json").read_text())["markdown"])
+    assert [f"<!-- page {i} -->" in r.stdout for i in range(1, n + 1)] == [True] * n, r.stdout
+    assert "character error rate against the true Markdown" in r.stderr, r.stderr
 
 
 def test_atomic_write_leaves_nothing_on_failure(tmp_path, monkeypatch):

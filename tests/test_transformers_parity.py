@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import ocria_rt
-from support import FIXTURES, MODEL_FIXTURES, load_reference, relerr
+from support import FIXTURES, MODEL_FIXTURES, TINY_RANDOM, load_reference, relerr
 
 LOGIT_TOL = 1e-4
 
@@ -42,9 +42,9 @@ def test_greedy_generate_matches_transformers(model):
     np.testing.assert_array_equal(np.array(res.token_ids), ref["greedy_tokens"], err_msg=name)
 
 
-def test_default_model_matches_transformers():
+def test_packaged_tiny_random_matches_transformers():
     ref = load_reference("tiny-random")
-    eng = ocria_rt.Engine()
+    eng = ocria_rt.Engine(TINY_RANDOM)
     assert relerr(eng.score(ref["input_ids"]), ref["logits"]) <= LOGIT_TOL
     res = eng.generate(ref["greedy_prompt"], max_new_tokens=len(ref["greedy_tokens"]), stop_token_ids=[])
     np.testing.assert_array_equal(np.array(res.token_ids), ref["greedy_tokens"])

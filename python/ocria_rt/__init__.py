@@ -23,8 +23,15 @@ _PACKAGE_DIR = Path(__file__).resolve().parent
 
 
 def default_model_dir() -> Path:
-    """The small model that ships inside the package (used when no model is given)."""
-    return _PACKAGE_DIR / "models" / "tiny-random"
+    """The model that ships inside the package, used when no model is given: ocria-mini, a 9.3M-parameter
+    Qwen3.5 VLM trained from scratch (scripts/train_ocr) to turn small synthdoc pages into Markdown."""
+    return _PACKAGE_DIR / "models" / "ocria-mini"
+
+
+def sample_document() -> Path:
+    """A PDF shipped with the package for trying the default model: held-out synthdoc pages of its
+    training distribution; ``sample.json`` beside it holds their true Markdown."""
+    return _PACKAGE_DIR / "samples" / "sample.pdf"
 
 
 def build_info() -> dict[str, object]:
@@ -55,5 +62,6 @@ __all__ = [
     "InternalError",
     "build_info",
     "default_model_dir",
+    "sample_document",
     "__version__",
 ]

@@ -85,6 +85,7 @@ def _check_output_path(path: str) -> None:
 def _parse(args: argparse.Namespace) -> int:
     import os
 
+    from . import sample_document
     from .errors import FileError, InvalidArgumentError
     from .pipeline import parse, parse_page_spec
 
@@ -94,15 +95,18 @@ def _parse(args: argparse.Namespace) -> int:
     if args.output and args.json and args.output != "-" and os.path.abspath(args.output) == os.path.abspath(args.json):
         raise InvalidArgumentError("-o and --json name the same file")
     parse_page_spec(args.pages)  # a bad --pages is a usage error before anything runs
+    if args.sample == bool(args.inputs):
+        raise InvalidArgumentError("give INPUT files or --sample (the PDF shipped with the package), not both"
+                                   if args.sample else "no INPUT given (PDF or image files; --sample parses the shipped sample)")
+    inputs = [str(sample_document())] if args.sample else args.inputs
 
     engine = args.model  # a directory (or None: the default VLM), loaded by parse() once the inputs check out
     if args.threads:
-        from . import Engine
-        from .pipeline import default_vlm_dir
+        from . import Engine, default_model_dir
 
-        engine = Engine(args.model or default_vlm_dir(), device=args.device, num_threads=args.threads)
+        engine = Engine(args.model or default_model_dir(), device=args.device, num_threads=args.threads)
     doc = parse(
-        args.inputs,
+        inputs,
         engine=engine,
         prompt=args.prompt,
         pages=args.pages,
@@ -146,16 +150,29 @@ def _parse(args: argparse.Namespace) -> int:
         f"{doc.new_tokens} new tokens ({t['tokens_per_s']:.1f} tokens/s)]",
         file=sys.stderr,
     )
+    if args.sample:
+        _score_sample(doc, sample_document().with_suffix(".json"))
     return 0 if doc.ok else 1
+
+
+def _score_sample(doc, truth_path) -> None:
+    """After `parse --sample`: each page's character error rate against the sample's true Markdown."""
+    from .synthdoc.metrics import cer
+
+    truth = json.loads(truth_path.read_text())["markdown"]
+    rates = [cer(p.markdown, truth[p.page_index]) for p in doc.pages if p.ok]
+    if rates:
+        print(f"[sample: character error rate against the true Markdown, per page: "
+              f"{' '.join(f'{100 * r:.1f}%' for r in rates)}; mean {100 * sum(rates) / len(rates):.1f}%]",
+              file=sys.stderr)
 
 
 def _eval(args: argparse.Namespace) -> int:
     import dataclasses
     import os
 
-    from . import Engine
+    from . import Engine, default_model_dir
     from .errors import InvalidArgumentError, ModelError
-    from .pipeline import default_vlm_dir
     from .synthdoc import PageConfig, evaluate, training_page_config, with_overrides
 
     if args.pages < 1:
@@ -167,7 +184,7 @@ def _eval(args: argparse.Namespace) -> int:
             raise InvalidArgumentError(f"{name} needs {low} <= LO <= HI, got {pair[0]} {pair[1]}")
     if args.max_chars is not None and args.max_chars < 1:
         raise InvalidArgumentError(f"--max-chars must be at least 1, got {args.max_chars}")
-    eng = Engine(args.model or default_vlm_dir(), device=args.device, num_threads=args.threads)
+    eng = Engine(args.model or default_model_dir(), device=args.device, num_threads=args.threads)
     if not eng.config.get("has_vision"):
         raise InvalidArgumentError(f"model '{eng.model_dir}' has no vision encoder: eval needs a VLM")
     # The pages: the model's own training distribution when its directory says (training.json), else
@@ -232,12 +249,14 @@ def main(argv: list[str] | None = None) -> int:
         "Exit status: 0 all pages converted, 1 some pages (or, with several inputs, some inputs) failed "
         "(outputs still written), 2 usage or input error (nothing written).",
     )
-    pa.add_argument("inputs", nargs="+", metavar="INPUT", help="PDF or image files")
+    pa.add_argument("inputs", nargs="*", metavar="INPUT", help="PDF or image files")
+    pa.add_argument("--sample", action="store_true",
+                    help="parse the sample PDF shipped with the package and score it against its true Markdown")
     pa.add_argument("-o", "--output", default=None, help="Markdown output file (default or '-': stdout)")
     pa.add_argument("--json", default=None, metavar="OUT.json", help="also write per-page text, errors, timings and token counts as JSON ('-': stdout)")
     pa.add_argument("--pages", default=None, help="pages of every document, 1-based: e.g. 1-3,7 or 5-")
     pa.add_argument("--prompt", default=None, help="the instruction sent with every page (default: Markdown, tables as HTML)")
-    pa.add_argument("--model", default=None, help="VLM directory (default: the small VLM shipped in the package)")
+    pa.add_argument("--model", default=None, help="VLM directory (default: the model shipped in the package, ocria-mini)")
     pa.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     pa.add_argument("--max-new-tokens", type=int, default=2048, help="per page")
     pa.add_argument("--dpi", type=float, default=None, help="render PDFs at this resolution (default: longer side = --target-long-side)")
@@ -257,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         "cells per row and th/td kinds match. The pages follow the model's training distribution when its "
         "directory has the training.json that scripts/train_ocr/export.py writes, else synthdoc's defaults.",
     )
-    e.add_argument("--model", default=None, help="VLM directory (default: the small VLM shipped in the package)")
+    e.add_argument("--model", default=None, help="VLM directory (default: the model shipped in the package, ocria-mini)")
     e.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     e.add_argument("--pages", type=int, default=200, help="held-out pages (default 200)")
     e.add_argument("--seed", type=int, default=0, help="held-out set (default 0)")

@@ -43,7 +43,7 @@ class Engine:
     """A Qwen3.5 text model loaded on one device.
 
     >>> eng = ocria_rt.Engine()                      # the small model shipped in the package, on the CPU
-    >>> eng.generate("Tables:", max_new_tokens=16).text
+    >>> eng.chat([{"role": "user", "content": [{"type": "image", "image": "page.png"}]}]).text
     """
 
     def __init__(

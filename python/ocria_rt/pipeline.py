@@ -507,21 +507,6 @@ class _Progress:
 # --------------------------------------------------------------------------- #
 # parse()
 # --------------------------------------------------------------------------- #
-def default_vlm_dir() -> Path:
-    """The package's default model when it has a vision encoder, else the shipped tiny VLM."""
-    import json
-
-    from . import default_model_dir
-
-    d = default_model_dir()
-    try:
-        if "vision_config" in json.loads((d / "config.json").read_text()):
-            return d
-    except (OSError, ValueError):
-        pass
-    return Path(__file__).resolve().parent / "models" / "tiny-vlm"
-
-
 def _comment(text: str) -> str:
     """Text made safe inside an HTML comment."""
     return " ".join(text.replace("--", "- -").split())
@@ -560,12 +545,13 @@ def parse(
     """Converts PDFs and images to Markdown, page by page (see the module docstring).
 
     engine: an ocria_rt.Engine holding a VLM, a model directory (loaded on `device`), or None for the
-    package's default VLM. prompt: the instruction for every page (default DEFAULT_PROMPT). pages: "1-3,7"
+    package's default model. prompt: the instruction for every page (default DEFAULT_PROMPT). pages: "1-3,7"
     (1-based, per document). dpi: render PDFs at this resolution instead of scaling their longer side to
     target_long_side pixels. progress: a progress line on stderr when it is a terminal; "always" forces it.
     max_image_pixels: pages larger than this (decoded or rendered) fail. backend: the resampler of
     preprocess_image ("torchvision" or "pil"; default: the model's image processor config).
     """
+    from . import default_model_dir
     from .engine import Engine
 
     t_start = time.perf_counter()
@@ -600,7 +586,7 @@ def parse(
         raise FileError("no input could be read: " + "; ".join(e.error for e in input_errors))
 
     # 2. the model's image settings, then pages start rendering while the model loads
-    model_dir = Path(getattr(engine, "model_dir", engine) or default_vlm_dir())
+    model_dir = Path(getattr(engine, "model_dir", engine) or default_model_dir())
     cfg = ImageProcessorConfig.from_model_dir(model_dir)
     opt = _Options(cfg=cfg, dpi=float(dpi) if dpi else None, target_long_side=target_long_side,
                    max_image_pixels=max_image_pixels, backend=backend)
@@ -693,7 +679,6 @@ __all__ = [
     "Document",
     "InputError",
     "PageResult",
-    "default_vlm_dir",
     "parse",
     "parse_page_spec",
     "select_pages",

@@ -11,10 +11,17 @@ states, data position, run history) and ``shard-NN.safetensors`` files of at mos
   steps absorb. It is the format to carry between machines when what comes back is limited.
 
 Written atomically: into ``<dir>.tmp``, then renamed over ``<dir>``.
+
+For carrying, a compact checkpoint can leave its weights out (:func:`strip_weights`, ``python
+scripts/train_ocr/ckpt.py strip CKPT MODEL_DIR OUT``) when an export of it ships in the repository
+(the package's default model): its BF16 weights are the checkpoint's bit for bit, so ``load`` takes them
+from that model.safetensors (state.json names it, relative to the repository, with its SHA-256).
 """
 
 from __future__ import annotations
 
+import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -25,6 +32,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 BLOCK = 256
+REPO = Path(__file__).resolve().parents[2]
 
 
 # --------------------------------------------------------------------------- #
@@ -109,12 +117,16 @@ def save(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer | None, 
     """Writes the checkpoint directory atomically; returns its files."""
     if fmt not in ("full", "compact"):
         raise ValueError(f"checkpoint format must be 'full' or 'compact', got {fmt!r}")
-    path = Path(path)
+    return _write(Path(path), _tensors(model, opt, fmt), dict(state, format=fmt), shard_mb, extra_files)
+
+
+def _write(path: Path, tensors: dict[str, torch.Tensor], state: dict[str, Any], shard_mb: float,
+           extra_files: dict[str, Path] | None) -> list[Path]:
+    """Shards `tensors` (weights first) into <path>.tmp with state.json, then renames it over `path`."""
     tmp = path.with_name(path.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    tensors = _tensors(model, opt, fmt)
     limit = int(shard_mb * 2**20) - 64 * 1024  # room for the header
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -131,9 +143,9 @@ def save(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer | None, 
     files = []
     for i, sh in enumerate(shards):
         f = tmp / f"shard-{i:02d}.safetensors"
-        save_file(sh, str(f), metadata={"format": fmt})
+        save_file(sh, str(f), metadata={"format": state["format"]})
         files.append(f)
-    st = dict(state, format=fmt, shards=[f.name for f in files])
+    st = dict(state, shards=[f.name for f in files])
     (tmp / "state.json").write_text(json.dumps(st, indent=1) + "\n")
     for name, src in (extra_files or {}).items():
         if Path(src).exists():
@@ -149,6 +161,37 @@ def save(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer | None, 
     return sorted(path.iterdir())
 
 
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def strip_weights(ckpt_dir: Path, model_dir: Path, out: Path) -> list[Path]:
+    """A copy of the compact checkpoint `ckpt_dir` without its weights, which `load` then reads from
+    `model_dir`/model.safetensors: an export of this checkpoint inside the repository (checked here:
+    the same tensor names, every one equal bit for bit)."""
+    state, tensors = load(ckpt_dir)
+    weights_file = (Path(model_dir) / "model.safetensors").resolve()
+    if state["format"] != "compact":
+        raise ValueError(f"{ckpt_dir}: only a compact checkpoint has BF16 weights an export can stand for")
+    try:
+        rel = weights_file.relative_to(REPO)
+    except ValueError:
+        raise ValueError(f"{weights_file} is not inside the repository {REPO}") from None
+    exported = load_file(str(weights_file))
+    own = {k[2:]: v for k, v in tensors.items() if k.startswith("w/")}
+    if set(own) != set(exported):
+        raise ValueError(f"{weights_file} holds other tensors than {ckpt_dir} "
+                         f"(only there: {sorted(set(exported) ^ set(own))[:4]})")
+    differ = [k for k in own if own[k].dtype != exported[k].dtype or not torch.equal(own[k], exported[k])]
+    if differ:
+        raise ValueError(f"{weights_file} is not an export of {ckpt_dir}: {len(differ)} tensors differ, e.g. {differ[0]}")
+    state.pop("shards")
+    state.update(weights_file=str(rel), weights_sha256=_sha256(weights_file))
+    rest = {k: v for k, v in tensors.items() if not k.startswith("w/")}
+    log = Path(ckpt_dir) / "log.jsonl"
+    return _write(Path(out), rest, state, 15.0, {"log.jsonl": log})
+
+
 def load(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(state, tensors) of a checkpoint directory."""
     path = Path(path)
@@ -156,6 +199,13 @@ def load(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     tensors: dict[str, torch.Tensor] = {}
     for f in state["shards"]:
         tensors.update(load_file(str(path / f)))
+    if "weights_file" in state:  # strip_weights: the weights are an export's in the repository
+        wf = REPO / state["weights_file"]
+        if not wf.is_file() or _sha256(wf) != state["weights_sha256"]:
+            raise ValueError(f"{path}: its weights are {wf} with SHA-256 {state['weights_sha256'][:12]}..., "
+                             "which is missing or has changed")
+        tensors.update({f"w/{k}": v for k, v in load_file(str(wf)).items()})
+        del state["weights_file"], state["weights_sha256"]
     return state, tensors
 
 
@@ -191,3 +241,19 @@ def restore_optimizer(model: torch.nn.Module, opt: torch.optim.Optimizer, tensor
         n += 1
     opt.load_state_dict(sd)
     return n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="Checkpoint tools.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    st = sub.add_parser("strip", help="a copy of a compact checkpoint whose weights come from an export in the repository")
+    st.add_argument("ckpt", type=Path)
+    st.add_argument("model_dir", type=Path, help="the export of that checkpoint, e.g. python/ocria_rt/models/ocria-mini")
+    st.add_argument("out", type=Path)
+    args = ap.parse_args()
+    files = strip_weights(args.ckpt, args.model_dir, args.out)
+    print(json.dumps({f.name: f.stat().st_size for f in files}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -8,8 +8,16 @@ tokenizer_config.json (with the chat template), preprocessor_config.json and gen
 (greedy, stops at <|im_end|> / <|endoftext|>); refuses to write more than --max-mb (25) MB.
 
 --check runs :func:`check_export`: the directory loads in ocria_rt (``ocria_rt.Engine`` and
-``Engine.chat``) and, on a held-out page, ocria_rt's CPU logits match transformers' (fp32, the same
-BF16 weights upcast) and the greedy tokens are the same.
+``Engine.chat``) and, on a held-out page of the model's training distribution, ocria_rt's CPU logits
+match transformers' (fp32, the same BF16 weights upcast) and the greedy tokens are the same.
+--reference DIR saves that page and transformers' side of the check (prompt ids, the logits of the
+last teacher-forced tokens, the greedy tokens) for the tests; --sample DIR writes the package's sample
+document (see :func:`write_sample`).
+
+The shipped default model is made with
+
+    python scripts/train_ocr/export.py --ckpt CKPT --out python/ocria_rt/models/ocria-mini --check \
+        --reference tests/fixtures/ocria_mini --sample python/ocria_rt/samples
 """
 
 from __future__ import annotations
@@ -51,6 +59,8 @@ def export(ckpt_dir: Path, out: Path, max_mb: float = 25.0) -> dict:
     GenerationConfig(bos_token_id=None, eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
                      pad_token_id=ids["<|endoftext|>"], do_sample=False).save_pretrained(out)
     files = sorted(p for p in out.iterdir() if p.is_file())
+    for p in files:
+        p.chmod(0o644)  # save_pretrained leaves the weights owner-only
     total = sum(p.stat().st_size for p in files)
     if total > max_mb * 1e6:
         raise SystemExit(f"{out}: {total / 1e6:.1f} MB is over the {max_mb} MB limit")
@@ -65,14 +75,21 @@ def export(ckpt_dir: Path, out: Path, max_mb: float = 25.0) -> dict:
     return info
 
 
+REFERENCE_ROWS = 32  # logits rows kept in the tests' reference (the end of the teacher-forced answer)
+
+
 def rel_err(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a.astype(np.float64) - b) / max(1e-30, np.linalg.norm(b.astype(np.float64))))
 
 
-def check_export(model_dir: Path, page_seed: int | None = None, n_tokens: int = 24, threads: int = 0) -> dict:
-    """Loads `model_dir` in ocria_rt and in transformers; on a held-out page compares the prompt ids
-    (ocria_rt.chat vs transformers' processor), the logits of the whole prompt (relative error
-    ||a - b|| / ||b||) and greedy generation (ocria_rt Engine.chat vs transformers generate)."""
+def check_export(model_dir: Path, page_seed: int | None = None, n_tokens: int = 24, threads: int = 0,
+                 reference: Path | None = None) -> dict:
+    """Loads `model_dir` in ocria_rt and in transformers; on a held-out page (of the model's training
+    distribution, training.json) compares the prompt ids (ocria_rt.chat vs transformers' processor), the
+    logits of the whole prompt (relative error ||a - b|| / ||b||) and greedy generation (ocria_rt
+    Engine.chat vs transformers generate). `reference`: a directory that receives the page (page.png)
+    and transformers' results (reference.npz: input_ids = prompt + teacher-forced answer, the logits
+    of the last REFERENCE_ROWS positions, the greedy tokens)."""
     if not common.HAS_ENGINE:
         raise SystemExit("ocria_rt's compiled engine is not importable here (build it: pip install .)")
     import ocria_rt
@@ -81,7 +98,7 @@ def check_export(model_dir: Path, page_seed: int | None = None, n_tokens: int = 
 
     model_dir = Path(model_dir)
     seed = synthdoc.page_seed("heldout", 0) if page_seed is None else page_seed
-    image, ref, meta = synthdoc.generate_page(seed)
+    image, ref, meta = synthdoc.generate_page(seed, synthdoc.training_page_config(model_dir))
     msgs = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": DEFAULT_PROMPT}]}]
     eng = ocria_rt.Engine(model_dir, device="cpu", num_threads=threads)
     ids, pv, grid = build_multimodal_prompt(eng, msgs)
@@ -137,7 +154,29 @@ def check_export(model_dir: Path, page_seed: int | None = None, n_tokens: int = 
         "greedy_no_stop_equal": list(res_n.token_ids) == hf_n,
         "reference_start": ref[:120],
     }
+    if reference is not None:
+        reference.mkdir(parents=True, exist_ok=True)
+        image.save(reference / "page.png")
+        np.savez_compressed(reference / "reference.npz", page_seed=np.int64(seed), input_ids=t_ids[0].numpy().astype(np.int32),
+                            prompt_tokens=np.int32(len(ids)), logits=theirs[-REFERENCE_ROWS:].astype(np.float32),
+                            greedy_tokens=np.array(hf_new, dtype=np.int32),
+                            greedy_no_stop_tokens=np.array(hf_n, dtype=np.int32))
     return out
+
+
+def write_sample(model_dir: Path, out: Path, n_pages: int = 4) -> dict:
+    """The package's sample document: the first `n_pages` held-out pages (seed 0) of the model's training
+    distribution as one PDF at 72 dpi (a page's size in points is its image's size in pixels), and their
+    Markdown (sample.json), so that ``ocria-rt parse --sample`` can score what it printed."""
+    cfg = synthdoc.training_page_config(model_dir)
+    pages = list(synthdoc.iter_dataset("heldout", n_pages, 0, cfg))
+    out.mkdir(parents=True, exist_ok=True)
+    images = [im.convert("RGB") for im, _, _ in pages]
+    images[0].save(out / "sample.pdf", resolution=72.0, save_all=True, append_images=images[1:])
+    meta = {"model": Path(model_dir).name, "split": "heldout", "seed": 0,
+            "page_seeds": [m["seed"] for _, _, m in pages], "markdown": [md for _, md, _ in pages]}
+    common.write_json(out / "sample.json", meta)
+    return {"dir": str(out), "pages": n_pages, "bytes": (out / "sample.pdf").stat().st_size}
 
 
 def _processor_ids(model_dir: Path, image) -> list[int] | None:
@@ -171,11 +210,18 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--max-mb", type=float, default=25.0)
     ap.add_argument("--check", action="store_true", help="check the export in ocria_rt against transformers")
+    ap.add_argument("--reference", type=Path, default=None, help="with --check: save the page and transformers' results here")
+    ap.add_argument("--sample", type=Path, default=None, help="write the sample document (sample.pdf, sample.json) here")
+    ap.add_argument("--sample-pages", type=int, default=4)
     args = ap.parse_args()
+    if args.reference and not args.check:
+        ap.error("--reference needs --check")
     info = export(args.ckpt, args.out, args.max_mb)
     print(json.dumps(info, indent=1))
     if args.check:
-        print(json.dumps(check_export(args.out), indent=1))
+        print(json.dumps(check_export(args.out, reference=args.reference), indent=1))
+    if args.sample:
+        print(json.dumps(write_sample(args.out, args.sample, args.sample_pages), indent=1))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import pytest
 
 import ocria_rt
 
-from support import FIXTURES, load_reference, relerr
+from support import FIXTURES, TINY_RANDOM, load_reference, relerr
 
 TF_TOL = 2e-2  # BF16 weights and activations against the fp32 CPU reference
 CONTINUATION = 256
@@ -181,17 +181,39 @@ def test_unsupported_shapes_refused_at_load():
         ocria_rt.Engine(FIXTURES / "text_untied_dkdv", device="cuda")
 
 
-def test_default_model_on_cuda():
+def test_tiny_random_on_cuda():
     ref = load_reference("tiny-random")
-    gpu = ocria_rt.Engine(device="cuda")
+    gpu = ocria_rt.Engine(TINY_RANDOM, device="cuda")
     got = gpu.score(ref["input_ids"])
     errs = np.array([relerr(got[t], ref["logits"][t]) for t in range(len(got))])
-    yard = bf16_yardstick(ocria_rt.default_model_dir(), list(ref["input_ids"]), ref["logits"])
+    yard = bf16_yardstick(TINY_RANDOM, list(ref["input_ids"]), ref["logits"])
     assert np.all(np.isfinite(errs))
     if yard is not None:
         assert errs.mean() <= 1.25 * yard.mean() + 5e-3, f"mean error {errs.mean():.3g} vs transformers-BF16 {yard.mean():.3g}"
     res = gpu.generate("The table below lists", max_new_tokens=16, stop_token_ids=[])
     assert len(res.token_ids) == 16 and isinstance(res.text, str)
+
+
+def test_shipped_model_on_cuda():
+    """ocria-mini (the default model) on the GPU against transformers' fp32 logits of a held-out page
+    (tests/fixtures/ocria_mini): BF16's error, the same argmax wherever transformers' top-2 margin is
+    clear of it, and parse of the shipped sample reads like the CPU's."""
+    from ocria_rt.chat import build_multimodal_prompt
+    from ocria_rt.pipeline import DEFAULT_PROMPT, parse
+
+    ref = dict(np.load(FIXTURES / "ocria_mini" / "reference.npz"))
+    gpu = ocria_rt.Engine(ocria_rt.default_model_dir(), device="cuda")
+    msgs = [{"role": "user", "content": [{"type": "image", "image": str(FIXTURES / "ocria_mini" / "page.png")},
+                                         {"type": "text", "text": DEFAULT_PROMPT}]}]
+    _, pv, grid = build_multimodal_prompt(gpu, msgs)
+    got = gpu.score(list(ref["input_ids"]), pixel_values=pv, image_grid_thw=grid)[-len(ref["logits"]):]
+    errs = np.array([relerr(g, w) for g, w in zip(got, ref["logits"])])
+    assert np.all(np.isfinite(errs)) and errs.mean() <= TF_TOL, errs
+    top2 = np.sort(ref["logits"], axis=-1)[:, -2:]
+    clear = (top2[:, 1] - top2[:, 0]) > 0.5
+    assert np.array_equal(got.argmax(-1)[clear], ref["logits"].argmax(-1)[clear])
+    doc = parse(ocria_rt.sample_document(), engine=gpu, progress=False)
+    assert doc.ok and all(p.markdown.strip() for p in doc.pages)
 
 
 def test_cuda_errors_are_clear():
