@@ -227,3 +227,18 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
     for r in rows:
         lines.append("| " + " | ".join(str(r.get(c, "")) for c in columns) + " |")
     return "\n".join(lines)
+
+
+def profiled_trace_events(fn) -> list[dict]:
+    """Runs fn() under torch.profiler (CPU + CUDA activities; CUPTI also records ocria_rt's kernels,
+    those inside replayed CUDA graphs included) and returns the Chrome trace's events."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        return json.loads(trace.read_text())["traceEvents"]

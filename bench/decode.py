@@ -3,10 +3,12 @@ and against transformers + flash-linear-attention on the same weights, in the sa
 
     python bench/decode.py OUT.json [--shapes ocria1-4b,qwen3.5-0.8b] [--prompts 1024,8192]
                                     [--new-tokens 512] [--peer-tokens 32] [--no-peer] [--no-pdl-off]
+                                    [--breakdown STEPS]
 
 Every figure sits beside its ceiling: decode against bytes-per-step / measured copy bandwidth,
 prefill against FLOPs / the measured BF16 matmul rate. Medians over --reps runs. Decode is also
 measured with programmatic dependent launch off (OCRIA_RT_PDL=0) unless --no-pdl-off.
+--breakdown STEPS adds where a decode step's GPU time goes, kernel by kernel (see decode_breakdown).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (SHAPES, bytes_per_decode_step, full_config, layer_is_attention, linear_params,  # noqa: E402
-                    make_random_checkpoint, markdown_table, measure_copy_bandwidth, measure_matmul_rate)
+                    make_random_checkpoint, markdown_table, measure_copy_bandwidth, measure_matmul_rate,
+                    profiled_trace_events)
 
 
 def prefill_flops(c: dict, n: int) -> float:
@@ -32,7 +35,38 @@ def prefill_flops(c: dict, n: int) -> float:
     return 2.0 * linear_params(c) * n + causal_attn
 
 
-def bench_ours(model_dir: Path, prompt: list[int], new_tokens: int, reps: int, pdl: bool = True) -> dict:
+def decode_breakdown(eng, prompt: list[int], steps: int, top: int = 16) -> dict:
+    """GPU time per decode step, kernel by kernel: a profiled generate of 1 + `steps` tokens minus one
+    of 1 token (which is the prefill alone), divided by `steps`. kernels_per_step counts what CUPTI saw
+    (the engine's own count is kernels_per_step of the run); kernel_us_per_step is their summed
+    duration, so wall_us_per_step - kernel_us_per_step is time the GPU spent between kernels (PDL
+    overlap makes kernels' intervals overlap, which can make it negative)."""
+    per_run = []
+    for n in (1, 1 + steps):
+        box = {}
+        events = profiled_trace_events(lambda: box.update(r=eng.generate(prompt, max_new_tokens=n, stop_token_ids=[])))
+        by_name: dict[str, list[float]] = {}
+        for e in events:
+            if e.get("ph") == "X" and e.get("cat") == "kernel":
+                by_name.setdefault(e.get("name", "?"), []).append(float(e["dur"]))
+        per_run.append((by_name, box["r"]))
+    (base, _), (full, r) = per_run
+    rows = []
+    for name, durs in full.items():
+        us = (sum(durs) - sum(base.get(name, []))) / steps
+        calls = (len(durs) - len(base.get(name, []))) / steps
+        if calls > 0:
+            rows.append({"name": name[:140], "us_per_step": us, "calls_per_step": calls})
+    rows.sort(key=lambda x: -x["us_per_step"])
+    if not rows:
+        return {"error": "the profiler recorded no kernels in the decode steps"}
+    return {"steps": steps, "wall_us_per_step": 1e6 / r.decode_tokens_per_second,
+            "kernel_us_per_step": sum(x["us_per_step"] for x in rows),
+            "kernels_per_step": sum(x["calls_per_step"] for x in rows), "top": rows[:top]}
+
+
+def bench_ours(model_dir: Path, prompt: list[int], new_tokens: int, reps: int, pdl: bool = True,
+               breakdown_steps: int = 0) -> dict:
     import ocria_rt
 
     os.environ["OCRIA_RT_PDL"] = "1" if pdl else "0"  # read when the engine's backend is constructed
@@ -45,9 +79,15 @@ def bench_ours(model_dir: Path, prompt: list[int], new_tokens: int, reps: int, p
         decode.append(r.decode_tokens_per_second)
         prefill.append(r.prefill_seconds)
     stats = eng.stats()
+    out = {"decode_tokens_per_s": statistics.median(decode), "prefill_s": statistics.median(prefill),
+           "launches_per_step": stats["launches_per_decode_step"], "kernels_per_step": stats["kernels_per_decode_step"]}
+    if breakdown_steps:
+        try:
+            out["breakdown"] = decode_breakdown(eng, prompt, breakdown_steps)
+        except Exception as e:  # diagnostic: a profiler failure must not lose the timings
+            out["breakdown"] = {"error": f"{type(e).__name__}: {e}"}
     del eng
-    return {"decode_tokens_per_s": statistics.median(decode), "prefill_s": statistics.median(prefill),
-            "launches_per_step": stats["launches_per_decode_step"], "kernels_per_step": stats["kernels_per_decode_step"]}
+    return out
 
 
 def bench_peer(model_dir: Path, prompt: list[int], new_tokens: int) -> dict:
@@ -94,6 +134,8 @@ def main() -> int:
     ap.add_argument("--no-pdl-off", action="store_true", help="skip the decode run with OCRIA_RT_PDL=0")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/ocria-bench"))
+    ap.add_argument("--breakdown", type=int, default=0, metavar="STEPS",
+                    help="also profile STEPS decode steps: GPU time per kernel name (0: off)")
     args = ap.parse_args()
 
     import torch
@@ -109,7 +151,7 @@ def main() -> int:
         model_dir = make_random_checkpoint(shape, args.workdir / shape)
         for n in (int(x) for x in args.prompts.split(",")):
             prompt = [int(t) for t in rng.integers(0, c["vocab_size"], n)]
-            ours = bench_ours(model_dir, prompt, args.new_tokens, args.reps)
+            ours = bench_ours(model_dir, prompt, args.new_tokens, args.reps, breakdown_steps=args.breakdown)
             mid_context = n + args.new_tokens // 2
             need = bytes_per_decode_step(c, mid_context)
             roof_tps = bw / need["total"]
@@ -143,6 +185,18 @@ def main() -> int:
           f"(both measured in this run). Roofline = bytes per step (weights + KV at mid-generation context + "
           f"DeltaNet state) / copy bandwidth. Peer: transformers + flash-linear-attention, {args.peer_tokens} tokens.")
     print(markdown_table(rows, list(rows[0].keys())))
+    for run in result["runs"]:
+        b = run["ours"].get("breakdown")
+        if b is None:
+            continue
+        print(f"\nDecode step breakdown, {run['shape']}, prompt {run['prompt']}: "
+              + (b["error"] if "error" in b else
+                 f"{b['kernels_per_step']:.0f} kernels, {b['kernel_us_per_step']:.0f} us of kernel time in a "
+                 f"{b['wall_us_per_step']:.0f} us step (profiled; {b['steps']} steps)"))
+        if "top" in b:
+            print(markdown_table([{"kernel": x["name"][:90], "us/step": f"{x['us_per_step']:.1f}",
+                                   "calls/step": f"{x['calls_per_step']:.1f}"} for x in b["top"]],
+                                 ["kernel", "us/step", "calls/step"]))
     return 0
 
 

@@ -30,7 +30,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import OCRIA1_VISION, VISION_TOKENS, make_random_checkpoint, markdown_table  # noqa: E402
+from common import (OCRIA1_VISION, VISION_TOKENS, make_random_checkpoint, markdown_table,  # noqa: E402
+                    profiled_trace_events)
 
 PAGE_SIZE = (911, 1288)  # an A4 page whose long side is 1288 px, as ocria_rt.parse renders PDFs
 
@@ -95,18 +96,14 @@ def vision_breakdown(eng, pv, grid, reps: int) -> dict:
     reading the output into numpy), host_before_gpu_ms / host_after_gpu_ms (before the first and
     after the last GPU activity), kernel_ms, h2d_ms, d2h_ms, kernels (count), and top_kernels (the
     longest kernels by name, ms per call)."""
-    import tempfile
+    from torch.profiler import record_function
 
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    def calls() -> None:
         for _ in range(reps):
             with record_function("ocria_encode_images"):
                 eng.encode_images(pv, grid)
-    with tempfile.TemporaryDirectory() as tmp:
-        trace = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(trace))
-        return breakdown_from_trace(json.loads(trace.read_text())["traceEvents"], "ocria_encode_images")
+
+    return breakdown_from_trace(profiled_trace_events(calls), "ocria_encode_images")
 
 
 def breakdown_from_trace(trace_events: list[dict], annotation: str) -> dict:

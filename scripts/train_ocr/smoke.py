@@ -260,6 +260,34 @@ def check_batched_greedy(ckpt_dir: Path) -> dict:
             "tokens": [len(t) for t in ids_b], "step_logits_rel_err_max": max(errs)}
 
 
+def check_strip(ckpt_dir: Path) -> dict:
+    """ckpt.strip_weights: a compact checkpoint whose weights come from its export (inside the repository:
+    build/, ignored by git) loads as the original, tensor for tensor; a changed export is refused."""
+    where = ckpt.REPO / "build" / "smoke-strip"
+    if where.exists():
+        shutil.rmtree(where)
+    try:
+        export.export(ckpt_dir, where / "export")
+        files = ckpt.strip_weights(ckpt_dir, where / "export", where / "ckpt")
+        (s0, t0), (s1, t1) = ckpt.load(ckpt_dir), ckpt.load(where / "ckpt")
+        s0.pop("shards"), s1.pop("shards")
+        equal = set(t0) == set(t1) and all(torch.equal(t0[k], t1[k]) for k in t0) and s0 == s1
+        stripped = sum(f.stat().st_size for f in files if f.suffix == ".safetensors")
+        weights = where / "export" / "model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[-1] ^= 1  # one bit of the last weight
+        weights.write_bytes(bytes(data))
+        try:
+            ckpt.load(where / "ckpt")
+            refused = False
+        except ValueError:
+            refused = True
+        return {"equal": equal, "changed_export_refused": refused, "stripped_bytes": stripped,
+                "full_bytes": sum(f.stat().st_size for f in Path(ckpt_dir).glob("shard-*"))}
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--work", type=Path, default=Path("/tmp/ocr-smoke"))
@@ -305,6 +333,9 @@ def main() -> None:
     res["full_ckpt_bytes"] = sum(f.stat().st_size for f in (a / "ckpt").glob("shard-*"))
     print("compact resume: losses", lc, "max weight diff vs straight", res["resume_compact_max_weight_diff"], flush=True)
 
+    res["strip"] = check_strip(c / "ckpt")
+    print("stripped checkpoint:", res["strip"], flush=True)
+
     ddp = res["data_parallel"] = check_data_parallel(args.work)
     print("data parallel, 2 ranks vs 1 rank accumulating:", json.dumps(ddp), flush=True)
     ddp_ok = (ddp["max_weight_diff_3_steps"] <= 1e-6 and ddp["max_weight_diff_5_steps"] <= 1e-6
@@ -329,6 +360,7 @@ def main() -> None:
           and res["image_losses"]["rel_err"] < 1e-5 and res["image_losses"]["vision_grad_norm"] > 0
           and res["align_loss"]["rel_err"] < 1e-5 and res["align_loss"]["rows"] >= 10
           and res["align_loss"]["decoder_grad_norm"] > 0 and res["align_loss"]["vision_grad_norm"] > 0
+          and res["strip"]["equal"] and res["strip"]["changed_export_refused"]
           and (not isinstance(res["check_export"], dict)
                or (res["check_export"]["logits_rel_err"] < 1e-4 and res["check_export"]["greedy_equal"]
                    and res["check_export"]["greedy_no_stop_equal"])))
