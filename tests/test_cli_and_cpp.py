@@ -53,7 +53,7 @@ def test_cli_eval_scores_held_out_pages_like_the_python_api(tmp_path):
 
 
 def _vlm_with_training_json(tmp_path: Path, data) -> Path:
-    """The shipped tiny VLM plus the training.json an exported training checkpoint carries."""
+    """The shipped model (ocria-mini) plus the training.json an exported training checkpoint carries."""
     d = tmp_path / "vlm"
     shutil.copytree(ocria_rt.default_model_dir(), d)
     (d / "training.json").write_text(json.dumps({"preset": "small", "step": 1, "data": data}))
