@@ -260,6 +260,42 @@ def check_batched_greedy(ckpt_dir: Path) -> dict:
             "tokens": [len(t) for t in ids_b], "step_logits_rel_err_max": max(errs)}
 
 
+DATA_ERROR_RUN = """
+import sys
+sys.path.insert(0, {here!r})
+import train
+make_batch = train.make_batch
+def planted(spec, step, *args, **kw):
+    if step == 2:
+        raise ValueError("planted data error")
+    return make_batch(spec, step, *args, **kw)
+train.make_batch = planted
+train.main(["--smoke", "--out", {out!r}, "--max-steps", "5", "--workers", "2"])
+"""
+
+
+def check_data_error_exits(work: Path) -> dict:
+    """An error in a data worker ends training with that error, promptly (the workers ignore SIGTERM,
+    which once made such an error hang at exit)."""
+    code = DATA_ERROR_RUN.format(here=str(Path(__file__).resolve().parent), out=str(work / "data-error"))
+    t0 = time.time()
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    except subprocess.TimeoutExpired:
+        return {"exited": False, "seconds": round(time.time() - t0, 1)}
+    return {"exited": True, "returncode": r.returncode, "seconds": round(time.time() - t0, 1),
+            "error_shown": "planted data error" in r.stderr, "second_error": "killed by signal" in r.stderr}
+
+
+def check_page_indices() -> bool:
+    """--max-batch above 64: the first 64 pages of a batch keep the indices of every earlier run, and no
+    two pages of any batches share an index."""
+    old = [step * 64 + j for step in range(50) for j in range(64)]
+    new = [train.train_page_index(step, j) for step in range(50) for j in range(train.PAGES_PER_STEP_MAX)]
+    return (all(train.train_page_index(step, j) == step * 64 + j for step in range(50) for j in range(64))
+            and len(set(new)) == len(new) and set(old) <= set(new))
+
+
 def check_strip(ckpt_dir: Path) -> dict:
     """ckpt.strip_weights: a compact checkpoint whose weights come from its export (inside the repository:
     build/, ignored by git) loads as the original, tensor for tensor; a changed export is refused."""
@@ -333,6 +369,9 @@ def main() -> None:
     res["full_ckpt_bytes"] = sum(f.stat().st_size for f in (a / "ckpt").glob("shard-*"))
     print("compact resume: losses", lc, "max weight diff vs straight", res["resume_compact_max_weight_diff"], flush=True)
 
+    res["page_indices_ok"] = check_page_indices()
+    res["data_error"] = check_data_error_exits(args.work)
+    print("data worker error:", res["data_error"], flush=True)
     res["strip"] = check_strip(c / "ckpt")
     print("stripped checkpoint:", res["strip"], flush=True)
 
@@ -360,7 +399,9 @@ def main() -> None:
           and res["image_losses"]["rel_err"] < 1e-5 and res["image_losses"]["vision_grad_norm"] > 0
           and res["align_loss"]["rel_err"] < 1e-5 and res["align_loss"]["rows"] >= 10
           and res["align_loss"]["decoder_grad_norm"] > 0 and res["align_loss"]["vision_grad_norm"] > 0
-          and res["strip"]["equal"] and res["strip"]["changed_export_refused"]
+          and res["strip"]["equal"] and res["strip"]["changed_export_refused"] and res["page_indices_ok"]
+          and res["data_error"]["exited"] and res["data_error"]["returncode"] != 0
+          and res["data_error"]["error_shown"] and not res["data_error"]["second_error"]
           and (not isinstance(res["check_export"], dict)
                or (res["check_export"]["logits_rel_err"] < 1e-4 and res["check_export"]["greedy_equal"]
                    and res["check_export"]["greedy_no_stop_equal"])))

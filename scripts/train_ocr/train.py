@@ -45,6 +45,7 @@ import hashlib
 import html
 import json
 import math
+import multiprocessing
 import os
 import random
 import re
@@ -69,7 +70,14 @@ import torch.nn.functional as F  # noqa: E402
 import ckpt  # noqa: E402
 from common import MERGE, PATCH, PromptBuilder, synthdoc  # noqa: E402
 
-PAGES_PER_STEP_MAX = 64  # page indices step * 64 + j, j < 64
+PAGES_PER_STEP_MAX = 256  # --max-batch's limit
+
+
+def train_page_index(step: int, j: int) -> int:
+    """The training-split index of page j of batch `step`: step * 64 + j for the first 64 pages (the
+    scheme of every run so far), further pages from disjoint ranges, 2**30 apart per 64 (page_seed takes
+    indices below 2**32: steps up to 2**24)."""
+    return (j // 64) * 2**30 + step * 64 + j % 64
 
 
 # --------------------------------------------------------------------------- #
@@ -126,7 +134,7 @@ def make_batch(spec: DataSpec, step: int, builder: PromptBuilder, glyphs: bool =
     cfg = spec.page_config(size=size, max_chars=max_chars)
     images, answers, chars, cells, reading = [], [], 0, [], []
     for j in range(n):
-        img, md, meta = synthdoc.generate_page(synthdoc.page_seed("train", step * PAGES_PER_STEP_MAX + j, spec.seed), cfg,
+        img, md, meta = synthdoc.generate_page(synthdoc.page_seed("train", train_page_index(step, j), spec.seed), cfg,
                                                glyphs=glyphs)
         images.append(np.asarray(img, dtype=np.uint8))
         answers.append(md)
@@ -679,6 +687,9 @@ def parse_args(argv=None):
                     help="stop with an error (no checkpoint) after this many non-finite gradients in a row")
     ap.add_argument("--batch-tokens", type=int, default=None,
                     help="padded tokens per fresh batch (default 65536; a resumed run keeps its own unless given)")
+    ap.add_argument("--max-batch", type=int, default=None,
+                    help=f"at most this many pages per batch (default 64, at most {PAGES_PER_STEP_MAX}); with "
+                    "--batch-tokens the way to fill a GPU whose steps are bound by fixed per-step costs")
     ap.add_argument("--max-seq", type=int, default=4096)
     # the page distribution: defaults for a fresh run; given to a resumed run, they replace its own
     ap.add_argument("--chars", type=int, nargs=2, default=None, metavar=("LO", "HI"),
@@ -730,6 +741,8 @@ def parse_args(argv=None):
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="profile this many steps (after 10 warm-up steps of the run) and print the top ops by GPU time")
     args = ap.parse_args(argv)
+    if args.max_batch is not None and not 1 <= args.max_batch <= PAGES_PER_STEP_MAX:
+        ap.error(f"--max-batch must be in 1..{PAGES_PER_STEP_MAX}, got {args.max_batch}")
     if args.smoke:
         args.preset = "smoke"
         args.batch_tokens = min(args.batch_tokens or 1536, 1536)
@@ -765,7 +778,22 @@ def weights_digest(model: torch.nn.Module) -> str:
 
 
 def main(argv=None) -> dict:
-    args = parse_args(argv)
+    """Trains (see the module docstring): returns the model, the run's end event and its state."""
+    try:
+        return run(parse_args(argv))
+    finally:
+        # The data workers ignore SIGTERM (ignore_sigterm). After an error (one of theirs included) the
+        # DataLoader is not shut down, and at exit multiprocessing would terminate and then join them
+        # forever: a hang instead of the error. Kill whatever is left (after a clean end: nothing), with
+        # torch's SIGCHLD handler (which would report each kill as one more error) out of the way.
+        children = multiprocessing.active_children()
+        if children:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for child in children:
+            child.kill()
+
+
+def run(args: argparse.Namespace) -> dict:
     t_start = time.perf_counter()
     deadline = t_start + args.minutes * 60 if args.minutes > 0 else math.inf
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
@@ -813,6 +841,8 @@ def main(argv=None) -> dict:
                 setattr(sched, k, getattr(args, k))
         if args.batch_tokens is not None:
             spec.batch_tokens = args.batch_tokens
+        if args.max_batch is not None:
+            spec.max_batch = args.max_batch
         rs = RunState(**{"batches": saved["run"]["step"], **saved["run"]})
         preset = saved.get("preset", "?")
         if lead and log_path.resolve() != (Path(resume) / "log.jsonl").resolve() and (Path(resume) / "log.jsonl").exists():
@@ -823,7 +853,7 @@ def main(argv=None) -> dict:
         tok = common.load_tokenizer(tok_dir)
         config = common.model_config(args.preset, tok.get_vocab_size(), common.token_ids(tok), max_positions=args.max_seq * 2)
         spec = DataSpec(seed=args.data_seed, batch_tokens=args.batch_tokens or 65536, max_seq=args.max_seq,
-                        curriculum_steps=2000)
+                        max_batch=args.max_batch or 64, curriculum_steps=2000)
         sched = Schedule(lr=args.lr or 1.5e-3, warmup=args.warmup, total_steps=args.total_steps or 30000,
                          min_lr_ratio=0.05 if args.min_lr_ratio is None else args.min_lr_ratio)
         rs = RunState()
