@@ -33,6 +33,7 @@ from safetensors.torch import load_file, save_file
 
 BLOCK = 256
 REPO = Path(__file__).resolve().parents[2]
+SHARD_MB = 15.0  # the largest shard: a few files that each pass a small pipe
 
 
 # --------------------------------------------------------------------------- #
@@ -113,7 +114,7 @@ def _tensors(model: torch.nn.Module, opt: torch.optim.Optimizer | None, fmt: str
 
 
 def save(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer | None, state: dict[str, Any],
-         fmt: str = "compact", shard_mb: float = 15.0, extra_files: dict[str, Path] | None = None) -> list[Path]:
+         fmt: str = "compact", shard_mb: float = SHARD_MB, extra_files: dict[str, Path] | None = None) -> list[Path]:
     """Writes the checkpoint directory atomically; returns its files."""
     if fmt not in ("full", "compact"):
         raise ValueError(f"checkpoint format must be 'full' or 'compact', got {fmt!r}")
@@ -189,7 +190,7 @@ def strip_weights(ckpt_dir: Path, model_dir: Path, out: Path) -> list[Path]:
     state.update(weights_file=str(rel), weights_sha256=_sha256(weights_file))
     rest = {k: v for k, v in tensors.items() if not k.startswith("w/")}
     log = Path(ckpt_dir) / "log.jsonl"
-    return _write(Path(out), rest, state, 15.0, {"log.jsonl": log})
+    return _write(Path(out), rest, state, SHARD_MB, {"log.jsonl": log})
 
 
 def load(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
