@@ -8,7 +8,8 @@ and against transformers + flash-linear-attention on the same weights, in the sa
 Every figure sits beside its ceiling: decode against bytes-per-step / measured copy bandwidth,
 prefill against FLOPs / the measured BF16 matmul rate. Medians over --reps runs. Decode is also
 measured with programmatic dependent launch off (OCRIA_RT_PDL=0) unless --no-pdl-off.
---breakdown STEPS adds where a decode step's GPU time goes, kernel by kernel (see decode_breakdown).
+--breakdown STEPS adds where a decode step's GPU time goes, kernel group by kernel group, against the
+bytes each must move (see decode_breakdown), for PDL on and (unless --no-pdl-off) off.
 """
 
 from __future__ import annotations
@@ -35,38 +36,133 @@ def prefill_flops(c: dict, n: int) -> float:
     return 2.0 * linear_params(c) * n + causal_attn
 
 
-def decode_breakdown(eng, prompt: list[int], steps: int, top: int = 16) -> dict:
-    """GPU time per decode step, kernel by kernel: a profiled generate of 1 + `steps` tokens minus one
-    of 1 token (which is the prefill alone), divided by `steps`. kernels_per_step counts what CUPTI saw
-    (the engine's own count is kernels_per_step of the run); kernel_us_per_step is their summed
-    duration, so wall_us_per_step - kernel_us_per_step is time the GPU spent between kernels (PDL
-    overlap makes kernels' intervals overlap, which can make it negative)."""
+def engine_linears(c: dict) -> list[dict]:
+    """The weight streams of one decode step as the engine fuses them (csrc/model/qwen35.h): name, N
+    (outputs), K (inputs), how many per step, and whether the MLP activation is fused into the load
+    (the skinny GEMM's GLU template argument)."""
+    H, I, hd = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    Hq, Hkv = c["num_attention_heads"], c["num_key_value_heads"]
+    HK, HV, dk, dv = c["linear_num_key_heads"], c["linear_num_value_heads"], c["linear_key_head_dim"], c["linear_value_head_dim"]
+    L = c["num_hidden_layers"]
+    n_attn = sum(layer_is_attention(i) for i in range(L))
+    return [dict(name="attn qkv", N=Hq * 2 * hd + 2 * Hkv * hd, K=H, count=n_attn, glu=False),
+            dict(name="attn o", N=H, K=Hq * hd, count=n_attn, glu=False),
+            dict(name="gdn in_proj", N=2 * HK * dk + 2 * HV * dv + 2 * HV, K=H, count=L - n_attn, glu=False),
+            dict(name="gdn out", N=H, K=HV * dv, count=L - n_attn, glu=False),
+            dict(name="mlp gate_up", N=2 * I, K=H, count=L, glu=False),
+            dict(name="mlp down", N=H, K=I, count=L, glu=True),
+            dict(name="lm_head", N=c["vocab_size"], K=H, count=1, glu=False)]
+
+
+def short_kernel_name(name: str) -> str:
+    """'void ns::(anonymous namespace)::f<a, b>(args...)' -> 'f<a, b>'."""
+    name = name.replace("(anonymous namespace)::", "").removeprefix("void ")
+    depth = 0
+    for i, ch in enumerate(name):
+        depth += (ch == "<") - (ch == ">")
+        if ch == "(" and depth == 0:
+            name = name[:i]
+            break
+    head = name.split("<", 1)[0]  # the namespaces end before the template arguments
+    return name[head.rfind("::") + 2:] if "::" in head else name
+
+
+def kernel_time_by_group(events: list[dict]) -> tuple[dict, float]:
+    """Kernels of a Chrome trace grouped by (short name, grid): calls, summed duration and time on the
+    critical path (us). Sorted by start, a kernel's critical-path time is how far its end moves the
+    GPU's finished front, end - max(front, start): overlapping kernels (programmatic dependent launch)
+    share an interval once, so the groups' critical-path times plus the idle gaps sum to the span from
+    the first kernel's start to the last one's end. Returns ({key: {calls, us, crit_us}}, idle_us)."""
+    ks = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e) for e in events
+                if e.get("ph") == "X" and e.get("cat") == "kernel")
+    groups: dict[tuple, dict] = {}
+    front, idle = None, 0.0
+    for start, end, e in ks:
+        key = (short_kernel_name(e.get("name", "?")), tuple(e.get("args", {}).get("grid", ())))
+        g = groups.setdefault(key, {"calls": 0, "us": 0.0, "crit_us": 0.0})
+        g["calls"] += 1
+        g["us"] += end - start
+        if front is None:
+            g["crit_us"] += end - start
+            front = end
+            continue
+        idle += max(0.0, start - front)
+        g["crit_us"] += max(0.0, end - max(front, start))
+        front = max(front, end)
+    return groups, idle
+
+
+def label_groups(rows: list[dict], c: dict, context: int) -> None:
+    """Names each group's work and the bytes it must move per step (weights of the linears a skinny
+    GEMM's grid matches, the KV cache for attention, the DeltaNet states for their decode kernel)."""
+    need = bytes_per_decode_step(c, context)
+    linears = engine_linears(c)
+    for r in rows:
+        name, grid = r["kernel"], r["grid"]
+        r["work"], r["bytes_per_step"] = "", None
+        if name.startswith("skinny_gemm_kernel<") and grid:
+            glu = name.split("<", 1)[1].split(",")[4].strip() == "true"
+            hits = [l for l in linears if (l["N"] + 15) // 16 == grid[0] and l["glu"] == glu]
+            if hits:
+                r["work"] = " / ".join(l["name"] for l in hits)
+                r["bytes_per_step"] = float(sum(2 * l["N"] * l["K"] * l["count"] for l in hits))
+        elif name.startswith("attention_kernel"):
+            r["work"], r["bytes_per_step"] = "attention (KV cache)", need["kv_cache"]
+        elif name.startswith("gdn_decode_kernel"):
+            r["work"], r["bytes_per_step"] = "DeltaNet (state in and out)", need["gdn_state"]
+
+
+def decode_breakdown(eng, prompt: list[int], steps: int, c: dict, bw: float) -> dict:
+    """Where a decode step's GPU time goes, kernel group by kernel group (name and grid): a profiled
+    generate of 1 + `steps` tokens minus one of 1 token (the prefill alone), divided by `steps`.
+    Per group: calls, summed kernel duration, critical-path time (kernel_time_by_group), the bytes
+    its work must move and that at the copy bandwidth `bw`, and the excess of its critical-path time
+    over that ideal. kernels_per_step counts what CUPTI saw (the engine's own count is in the run)."""
     per_run = []
     for n in (1, 1 + steps):
         box = {}
         events = profiled_trace_events(lambda: box.update(r=eng.generate(prompt, max_new_tokens=n, stop_token_ids=[])))
-        by_name: dict[str, list[float]] = {}
-        for e in events:
-            if e.get("ph") == "X" and e.get("cat") == "kernel":
-                by_name.setdefault(e.get("name", "?"), []).append(float(e["dur"]))
-        per_run.append((by_name, box["r"]))
-    (base, _), (full, r) = per_run
+        per_run.append((*kernel_time_by_group(events), box["r"]))
+    (base, base_idle, _), (full, full_idle, r) = per_run
     rows = []
-    for name, durs in full.items():
-        us = (sum(durs) - sum(base.get(name, []))) / steps
-        calls = (len(durs) - len(base.get(name, []))) / steps
+    for key, g in full.items():
+        b = base.get(key, {"calls": 0, "us": 0.0, "crit_us": 0.0})
+        calls = (g["calls"] - b["calls"]) / steps
         if calls > 0:
-            rows.append({"name": name[:140], "us_per_step": us, "calls_per_step": calls})
-    rows.sort(key=lambda x: -x["us_per_step"])
+            rows.append({"kernel": key[0][:100], "grid": list(key[1]), "calls_per_step": calls,
+                         "us_per_step": (g["us"] - b["us"]) / steps, "crit_us_per_step": (g["crit_us"] - b["crit_us"]) / steps})
     if not rows:
         return {"error": "the profiler recorded no kernels in the decode steps"}
+    label_groups(rows, c, len(prompt) + steps // 2)
+    for x in rows:
+        x["ideal_us_per_step"] = 1e6 * x["bytes_per_step"] / bw if x["bytes_per_step"] else 0.0
+        x["excess_us_per_step"] = x["crit_us_per_step"] - x["ideal_us_per_step"]
+    rows.sort(key=lambda x: -x["crit_us_per_step"])
     return {"steps": steps, "wall_us_per_step": 1e6 / r.decode_tokens_per_second,
             "kernel_us_per_step": sum(x["us_per_step"] for x in rows),
-            "kernels_per_step": sum(x["calls_per_step"] for x in rows), "top": rows[:top]}
+            "crit_us_per_step": sum(x["crit_us_per_step"] for x in rows),
+            "idle_us_per_step": (full_idle - base_idle) / steps,
+            "ideal_us_per_step": sum(x["ideal_us_per_step"] for x in rows),
+            "kernels_per_step": sum(x["calls_per_step"] for x in rows), "groups": rows}
+
+
+def breakdown_table(b: dict) -> str:
+    rows = [{"work": x["work"] or "-", "kernel": x["kernel"][:60], "grid": "x".join(map(str, x["grid"])),
+             "calls/step": f"{x['calls_per_step']:.0f}", "us/step": f"{x['us_per_step']:.1f}",
+             "critical us/step": f"{x['crit_us_per_step']:.1f}",
+             "MB/step": f"{x['bytes_per_step'] / 1e6:.1f}" if x["bytes_per_step"] else "-",
+             "us at copy BW": f"{x['ideal_us_per_step']:.1f}" if x["bytes_per_step"] else "-",
+             "% of copy BW": (f"{100 * x['ideal_us_per_step'] / x['crit_us_per_step']:.0f}"
+                              if x["bytes_per_step"] and x["crit_us_per_step"] > 0 else "-"),
+             "excess us": f"{x['excess_us_per_step']:.1f}"} for x in b["groups"]]
+    rows.append({"work": "idle (no kernel running)", "kernel": "", "grid": "", "calls/step": "",
+                 "us/step": "", "critical us/step": f"{b['idle_us_per_step']:.1f}", "MB/step": "",
+                 "us at copy BW": "", "% of copy BW": "", "excess us": f"{b['idle_us_per_step']:.1f}"})
+    return markdown_table(rows, list(rows[0].keys()))
 
 
 def bench_ours(model_dir: Path, prompt: list[int], new_tokens: int, reps: int, pdl: bool = True,
-               breakdown_steps: int = 0) -> dict:
+               breakdown_steps: int = 0, c: dict | None = None, bw: float = 0.0) -> dict:
     import ocria_rt
 
     os.environ["OCRIA_RT_PDL"] = "1" if pdl else "0"  # read when the engine's backend is constructed
@@ -83,7 +179,7 @@ def bench_ours(model_dir: Path, prompt: list[int], new_tokens: int, reps: int, p
            "launches_per_step": stats["launches_per_decode_step"], "kernels_per_step": stats["kernels_per_decode_step"]}
     if breakdown_steps:
         try:
-            out["breakdown"] = decode_breakdown(eng, prompt, breakdown_steps)
+            out["breakdown"] = decode_breakdown(eng, prompt, breakdown_steps, c, bw)
         except Exception as e:  # diagnostic: a profiler failure must not lose the timings
             out["breakdown"] = {"error": f"{type(e).__name__}: {e}"}
     del eng
@@ -151,7 +247,7 @@ def main() -> int:
         model_dir = make_random_checkpoint(shape, args.workdir / shape)
         for n in (int(x) for x in args.prompts.split(",")):
             prompt = [int(t) for t in rng.integers(0, c["vocab_size"], n)]
-            ours = bench_ours(model_dir, prompt, args.new_tokens, args.reps, breakdown_steps=args.breakdown)
+            ours = bench_ours(model_dir, prompt, args.new_tokens, args.reps, breakdown_steps=args.breakdown, c=c, bw=bw)
             mid_context = n + args.new_tokens // 2
             need = bytes_per_decode_step(c, mid_context)
             roof_tps = bw / need["total"]
@@ -159,7 +255,8 @@ def main() -> int:
             run = {"shape": shape, "prompt": n, "new_tokens": args.new_tokens, "ours": ours, "bytes_per_step": need,
                    "roofline_tokens_per_s": roof_tps, "prefill_flops": flops}
             if not args.no_pdl_off:
-                run["ours_pdl_off"] = bench_ours(model_dir, prompt, args.new_tokens, args.reps, pdl=False)
+                run["ours_pdl_off"] = bench_ours(model_dir, prompt, args.new_tokens, args.reps, pdl=False,
+                                                 breakdown_steps=args.breakdown, c=c, bw=bw)
             if not args.no_peer:
                 run["peer"] = bench_peer(model_dir, prompt, args.peer_tokens)
             result["runs"].append(run)
@@ -186,17 +283,17 @@ def main() -> int:
           f"DeltaNet state) / copy bandwidth. Peer: transformers + flash-linear-attention, {args.peer_tokens} tokens.")
     print(markdown_table(rows, list(rows[0].keys())))
     for run in result["runs"]:
-        b = run["ours"].get("breakdown")
-        if b is None:
-            continue
-        print(f"\nDecode step breakdown, {run['shape']}, prompt {run['prompt']}: "
-              + (b["error"] if "error" in b else
-                 f"{b['kernels_per_step']:.0f} kernels, {b['kernel_us_per_step']:.0f} us of kernel time in a "
-                 f"{b['wall_us_per_step']:.0f} us step (profiled; {b['steps']} steps)"))
-        if "top" in b:
-            print(markdown_table([{"kernel": x["name"][:90], "us/step": f"{x['us_per_step']:.1f}",
-                                   "calls/step": f"{x['calls_per_step']:.1f}"} for x in b["top"]],
-                                 ["kernel", "us/step", "calls/step"]))
+        for which, label in (("ours", "PDL on"), ("ours_pdl_off", "PDL off")):
+            b = run.get(which, {}).get("breakdown")
+            if b is None:
+                continue
+            print(f"\nDecode step breakdown, {run['shape']}, prompt {run['prompt']}, {label}: "
+                  + (b["error"] if "error" in b else
+                     f"{b['kernels_per_step']:.0f} kernels in a {b['wall_us_per_step']:.0f} us step: "
+                     f"{b['crit_us_per_step']:.0f} us on the critical path + {b['idle_us_per_step']:.0f} us idle; "
+                     f"the bytes at copy bandwidth take {b['ideal_us_per_step']:.0f} us (profiled; {b['steps']} steps)"))
+            if "groups" in b:
+                print(breakdown_table(b))
     return 0
 
 

@@ -1,0 +1,62 @@
+"""bench/decode.py's decode-step breakdown, on synthetic profiler events (the GPU run is in bench/)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from common import SHAPES, full_config, linear_params  # noqa: E402
+from decode import engine_linears, kernel_time_by_group, label_groups, short_kernel_name  # noqa: E402
+
+
+def kernel(name: str, start: float, end: float, grid=(1, 1, 1)) -> dict:
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": start, "dur": end - start, "args": {"grid": list(grid)}}
+
+
+def test_short_kernel_names():
+    assert short_kernel_name("void ocria_rt::cuda::(anonymous namespace)::skinny_gemm_kernel<8, 1, 2, 4, false, "
+                             "false, __nv_bfloat16>(__nv_bfloat16 const*, long)") == \
+        "skinny_gemm_kernel<8, 1, 2, 4, false, false, __nv_bfloat16>"
+    assert short_kernel_name("ocria_rt::(anonymous namespace)::increment_kernel(int*, long)") == "increment_kernel"
+    assert short_kernel_name("void cutlass::device_kernel<cutlass::gemm::X<a::b>>(p)") == "device_kernel<cutlass::gemm::X<a::b>>"
+
+
+def test_critical_path_counts_overlap_once_and_idle_apart():
+    events = [kernel("void ns::a(int)", 0, 10, (4, 1, 1)),
+              kernel("void ns::b(int)", 5, 20),        # overlaps a (PDL): only 10..20 is its own
+              kernel("void ns::d(int)", 12, 15),       # inside b: nothing of its own
+              kernel("void ns::c(int)", 25, 30),       # after 5 us with no kernel
+              kernel("void ns::a(int)", 30, 40, (4, 1, 1)),
+              kernel("void ns::a(int)", 40, 41, (8, 1, 1)),  # another grid: another group
+              {"ph": "X", "cat": "cpu_op", "name": "host", "ts": 0, "dur": 100}]
+    groups, idle = kernel_time_by_group(events)
+    assert groups[("a", (4, 1, 1))] == {"calls": 2, "us": 20.0, "crit_us": 20.0}
+    assert groups[("b", (1, 1, 1))]["crit_us"] == 10.0 and groups[("b", (1, 1, 1))]["us"] == 15.0
+    assert groups[("d", (1, 1, 1))]["crit_us"] == 0.0
+    assert groups[("c", (1, 1, 1))]["crit_us"] == 5.0 and groups[("a", (8, 1, 1))]["calls"] == 1
+    assert idle == 5.0
+    assert sum(g["crit_us"] for g in groups.values()) + idle == 41.0  # the span, first start to last end
+
+
+def test_engine_linears_are_every_projection_once():
+    for shape in SHAPES.values():
+        c = full_config(shape)
+        assert sum(l["N"] * l["K"] * l["count"] for l in engine_linears(c)) == linear_params(c)
+
+
+@pytest.mark.parametrize("grid,glu,work", [((160, 1, 1), "false", "attn o / gdn out"), ((160, 1, 1), "true", "mlp down"),
+                                           ((1152, 1, 1), "false", "mlp gate_up"), ((15520, 1, 1), "false", "lm_head"),
+                                           ((999, 1, 1), "false", "")])
+def test_skinny_gemm_groups_get_their_linears_bytes(grid, glu, work):
+    c = full_config(SHAPES["ocria1-4b"])
+    rows = [{"kernel": f"skinny_gemm_kernel<16, 1, 2, 3, {glu}, false, __nv_bfloat16>", "grid": list(grid)},
+            {"kernel": "gdn_decode_kernel<128>", "grid": [32, 1, 1]}]
+    label_groups(rows, c, 1024)
+    assert rows[0]["work"] == work
+    want = {"attn o / gdn out": 2 * 2560 * 4096 * 32, "mlp down": 2 * 2560 * 9216 * 32,
+            "mlp gate_up": 2 * 18432 * 2560 * 32, "lm_head": 2 * 248320 * 2560, "": None}[work]
+    assert rows[0]["bytes_per_step"] == want
+    assert rows[1]["work"].startswith("DeltaNet") and rows[1]["bytes_per_step"] > 0
