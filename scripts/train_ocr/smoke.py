@@ -296,6 +296,27 @@ def check_page_indices() -> bool:
             and len(set(new)) == len(new) and set(old) <= set(new))
 
 
+def check_table_share() -> dict:
+    """--table-share: about that share of training pages hold a table (the rest of synthdoc's mix holds
+    ~2%); the other pages are the mix's, bit for bit; the same pages whoever draws them; 0 changes
+    nothing; table pages never take a seed of the held-out split or of the usual train pages."""
+    cfg = synthdoc.PageConfig(long_side=(320, 448), body_px=(64, 88), max_chars=150, render=False)
+    spec = train.DataSpec(table_share=0.5)
+    n, picked, with_table, same = 200, 0, 0, True
+    for i in range(n):
+        seed, page_cfg = train.page_source(spec, cfg, i)
+        if page_cfg is not cfg:
+            picked += 1
+            with_table += bool(synthdoc.generate_page(seed, page_cfg)[2]["tables"])
+            same &= synthdoc.split_of(seed) == "train" and seed >= synthdoc.page_seed("train", 0, train.TABLE_SEEDS)
+        else:
+            same &= seed == synthdoc.page_seed("train", i, 0)
+    zero = all(train.page_source(train.DataSpec(), cfg, i) == (synthdoc.page_seed("train", i, 0), cfg) for i in range(n))
+    again = all(train.page_source(spec, cfg, i)[0] == train.page_source(spec, cfg, i)[0] for i in range(0, n, 7))
+    return {"picked_share": picked / n, "picked_with_table": with_table / max(1, picked), "seeds_ok": bool(same),
+            "zero_changes_nothing": zero, "deterministic": again}
+
+
 def check_strip(ckpt_dir: Path) -> dict:
     """ckpt.strip_weights: a compact checkpoint whose weights come from its export (inside the repository:
     build/, ignored by git) loads as the original, tensor for tensor; a changed export is refused."""
@@ -370,6 +391,8 @@ def main() -> None:
     print("compact resume: losses", lc, "max weight diff vs straight", res["resume_compact_max_weight_diff"], flush=True)
 
     res["page_indices_ok"] = check_page_indices()
+    res["table_share"] = check_table_share()
+    print("table share 0.5:", res["table_share"], flush=True)
     res["data_error"] = check_data_error_exits(args.work)
     print("data worker error:", res["data_error"], flush=True)
     res["strip"] = check_strip(c / "ckpt")
@@ -400,6 +423,9 @@ def main() -> None:
           and res["align_loss"]["rel_err"] < 1e-5 and res["align_loss"]["rows"] >= 10
           and res["align_loss"]["decoder_grad_norm"] > 0 and res["align_loss"]["vision_grad_norm"] > 0
           and res["strip"]["equal"] and res["strip"]["changed_export_refused"] and res["page_indices_ok"]
+          and 0.4 <= res["table_share"]["picked_share"] <= 0.6 and res["table_share"]["picked_with_table"] >= 0.9
+          and res["table_share"]["seeds_ok"] and res["table_share"]["zero_changes_nothing"]
+          and res["table_share"]["deterministic"]
           and res["data_error"]["exited"] and res["data_error"]["returncode"] != 0
           and res["data_error"]["error_shown"] and not res["data_error"]["second_error"]
           and (not isinstance(res["check_export"], dict)

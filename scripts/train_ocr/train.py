@@ -98,6 +98,9 @@ class DataSpec:
     noise: float = 1.0
     chars_per_token: float = 2.2  # conservative, to size batches before the pages exist
     locales: tuple[str, ...] | None = None  # faker locales of the page text (None: all of synthdoc's)
+    # share of pages that hold a table (report layout, see page_source) instead of synthdoc's usual
+    # mix; training only: the held-out pages (ocria-rt eval, training.json) keep the mix
+    table_share: float = 0.0
 
     def page_config(self, size: tuple[int, int] | None = None, max_chars: int | None = None):
         # the same mapping `ocria-rt eval` applies to an exported model's training.json
@@ -134,8 +137,8 @@ def make_batch(spec: DataSpec, step: int, builder: PromptBuilder, glyphs: bool =
     cfg = spec.page_config(size=size, max_chars=max_chars)
     images, answers, chars, cells, reading = [], [], 0, [], []
     for j in range(n):
-        img, md, meta = synthdoc.generate_page(synthdoc.page_seed("train", train_page_index(step, j), spec.seed), cfg,
-                                               glyphs=glyphs)
+        seed, page_cfg = page_source(spec, cfg, train_page_index(step, j))
+        img, md, meta = synthdoc.generate_page(seed, page_cfg, glyphs=glyphs)
         images.append(np.asarray(img, dtype=np.uint8))
         answers.append(md)
         chars += len(md)
@@ -150,6 +153,28 @@ def make_batch(spec: DataSpec, step: int, builder: PromptBuilder, glyphs: bool =
         batch["glyphs"] = glyph_targets(builder, cells, (h, w))
         batch["reading"] = reading_targets(reading, batch["prompt_len"], batch["labels"].shape[1])
     return batch
+
+
+# Table pages (--table-share) come from their own seed ranges: base seeds TABLE_SEEDS + k (k < TABLE_TRIES,
+# the k-th try of a page index), disjoint from every --data-seed in use and from the held-out split.
+TABLE_SEEDS, TABLE_TRIES = 1 << 29, 32
+
+
+def page_source(spec: DataSpec, cfg, index: int) -> tuple[int, object]:
+    """(generate_page seed, page config) of training page `index`. For a `table_share` of the indices
+    (drawn from the index, so a batch is the same whatever the worker) the page is instead the first of
+    TABLE_TRIES report-layout pages that holds a table (checked without rendering); if none does, the
+    last of them."""
+    seed = synthdoc.page_seed("train", index, spec.seed)
+    if spec.table_share <= 0 or random.Random(f"table:{spec.seed}:{index}").random() >= spec.table_share:
+        return seed, cfg
+    report = synthdoc.with_overrides(cfg, layout="report")
+    layout_only = synthdoc.with_overrides(report, render=False)
+    for k in range(TABLE_TRIES):
+        seed = synthdoc.page_seed("train", index, TABLE_SEEDS + k)
+        if synthdoc.generate_page(seed, layout_only)[2]["tables"]:
+            break
+    return seed, report
 
 
 def image_cell(x: float, y: float, h: int, w: int) -> int:
@@ -702,6 +727,9 @@ def parse_args(argv=None):
                     help="ramp the character budget's upper end over these batches (default 2000)")
     ap.add_argument("--locales", nargs="+", default=None, help="faker locales of the page text (default: all)")
     ap.add_argument("--noise", type=float, default=None, help="scan-noise strength (default 1; 0: clean renders)")
+    ap.add_argument("--table-share", type=float, default=None,
+                    help="share of training pages that hold a table (report layout; default 0: synthdoc's mix; "
+                         "the held-out pages keep the mix)")
     ap.add_argument("--image-aux", type=float, default=0.0,
                     help="weight of AnswerLoss.image_bag_loss (each image's tokens predict its answer's token bag "
                          "through the LM head); probe_reading.py needs it to learn to read at all")
@@ -743,6 +771,8 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.max_batch is not None and not 1 <= args.max_batch <= PAGES_PER_STEP_MAX:
         ap.error(f"--max-batch must be in 1..{PAGES_PER_STEP_MAX}, got {args.max_batch}")
+    if args.table_share is not None and not 0.0 <= args.table_share <= 1.0:
+        ap.error(f"--table-share must be in 0..1, got {args.table_share}")
     if args.smoke:
         args.preset = "smoke"
         args.batch_tokens = min(args.batch_tokens or 1536, 1536)
@@ -861,7 +891,7 @@ def run(args: argparse.Namespace) -> dict:
         saved, tensors = None, None
         if lead and args.fresh and log_path.exists():
             log_path.unlink()
-    for field in ("chars", "long_side", "body_px", "curriculum_steps", "locales", "noise"):
+    for field in ("chars", "long_side", "body_px", "curriculum_steps", "locales", "noise", "table_share"):
         value = getattr(args, field)
         if value is not None:
             setattr(spec, field, tuple(value) if isinstance(value, (list, tuple)) else value)
