@@ -155,6 +155,56 @@ def test_linear_swiglu_splitk(cpu, gpu_ksplit, T, I, N, ksplit):
     np.testing.assert_array_equal(gpu.linear_swiglu(gu, w), first)
 
 
+# ---- skinny GEMM cluster split-K: K in ranges over the blocks of a cluster, block 0 sums them ----
+
+# M, K, N, blocks per cluster: OCRIA-1's o_proj / MLP down shapes, odd N, K not a multiple of 32, one
+# and two token tiles, and K = 40 (2 chunks) with 4 asked for, which runs without a cluster.
+CLUSTER_CASES = [(1, 4096, 2560, 2), (1, 4096, 2560, 4), (16, 9216, 2560, 4), (3, 1000, 999, 2), (9, 2632, 1001, 4),
+                 (8, 4104, 77, 4), (5, 40, 33, 4)]
+
+
+@pytest.fixture(scope="module")
+def gpu_cluster():
+    """CUDA runners with OCRIA_RT_SKINNY_CLUSTER = c (read when the backend is constructed), one per c."""
+    runners = {}
+
+    def get(c: int):
+        if c not in runners:
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("OCRIA_RT_SKINNY_CLUSTER", str(c))
+                runners[c] = _core.OpRunner("cuda")
+        return runners[c]
+
+    return get
+
+
+@pytest.mark.parametrize("out_f32", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("M,K,N,cs", CLUSTER_CASES)
+def test_linear_cluster_splitk(cpu, gpu_cluster, M, K, N, cs, with_bias, out_f32):
+    """Cluster split-K against the CPU; repeated calls give the same bits (block 0 adds the partial
+    tiles in split order)."""
+    rng = np.random.default_rng(M * 7919 + K * 31 + N + 100 * cs)
+    x, w = randn(rng, M, K), randn(rng, N, K, scale=K**-0.5)
+    bias = randn(rng, N) if with_bias else None
+    gpu = gpu_cluster(cs)
+    first = gpu.linear(x, w, bias, out_f32)
+    assert relerr(first, cpu.linear(x, w, bias)) <= OUT_TOL
+    for _ in range(2):
+        np.testing.assert_array_equal(gpu.linear(x, w, bias, out_f32), first)
+
+
+@pytest.mark.parametrize("T,I,N,cs", [(1, 9216, 2560, 4), (3, 1000, 999, 2), (16, 9216, 2560, 2)])
+def test_linear_swiglu_cluster_splitk(cpu, gpu_cluster, T, I, N, cs):
+    """The fused decode MLP down projection with cluster split-K."""
+    rng = np.random.default_rng(T + I + N + cs)
+    gu, w = randn(rng, T, 2 * I, scale=2), randn(rng, N, I, scale=I ** -0.5)
+    gpu = gpu_cluster(cs)
+    first = gpu.linear_swiglu(gu, w)
+    assert relerr(first, cpu.linear_swiglu(gu, w)) <= OUT_TOL
+    np.testing.assert_array_equal(gpu.linear_swiglu(gu, w), first)
+
+
 # ---- programmatic dependent launch: dependent kernels back to back ----
 
 # (M, H, I): H = 2560 with I = 4608 takes both skinny-GEMM configurations without split-K (gate_up
@@ -163,16 +213,17 @@ def test_linear_swiglu_splitk(cpu, gpu_ksplit, T, I, N, ksplit):
 CHAIN_CASES = [(1, 2560, 4608), (5, 2560, 4608), (16, 2560, 4608), (3, 1000, 1500)]
 
 
-@pytest.mark.parametrize("ksplit", ["1", "3"])
+@pytest.mark.parametrize("ksplit,cluster", [("1", "0"), ("3", "0"), ("1", "4")])
 @pytest.mark.parametrize("M,H,I", CHAIN_CASES)
-def test_dependent_op_chain(cpu, monkeypatch, M, H, I, ksplit):
+def test_dependent_op_chain(cpu, monkeypatch, M, H, I, ksplit, cluster):
     """add_rms_norm -> linear -> linear_swiglu three times, then add_rms_norm, enqueued without host
     synchronisation in between, so that with PDL each kernel starts while its predecessor still runs
     and buffers are rewritten while earlier kernels may still read them. Against the CPU, and bit
     for bit against the same chain with PDL off (same kernels, same arithmetic: a missing
     pdl_wait() shows as a difference). Skinny-GEMM split-K off (the default) and forced to 3 splits
-    everywhere (back-to-back launches share the scratch)."""
+    everywhere (back-to-back launches share the scratch), and cluster split-K over 4 blocks."""
     monkeypatch.setenv("OCRIA_RT_SKINNY_KSPLIT", ksplit)
+    monkeypatch.setenv("OCRIA_RT_SKINNY_CLUSTER", cluster)
     rng = np.random.default_rng(M + H + I)
     res, delta = randn(rng, M, H, scale=3), randn(rng, M, H)
     norm_w = randn(rng, H, scale=0.1)

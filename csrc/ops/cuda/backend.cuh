@@ -119,6 +119,37 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
+// ---- thread block clusters (launch_pdl_cluster) ----
+
+// The cluster barrier, split: every thread of every block of the cluster arrives, then waits for
+// all the others. Arrive has release semantics (relaxed: none), wait acquire semantics.
+__device__ __forceinline__ void cluster_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
+#endif
+}
+// Stores v at the address `local` has in the shared memory of block `rank` of this cluster
+// (distributed shared memory). That block must be running: a cluster barrier has been passed since
+// every block arrived at the kernel's start.
+__device__ __forceinline__ void store_cluster_shared(float* local, unsigned rank, float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(local));
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+  asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
+#endif
+}
+
 // ---- element helpers ----
 
 using bf16 = __nv_bfloat16;
@@ -278,6 +309,10 @@ class CudaBackend final : public Backend {
   bool pdl_ = true;
   bool gdn_fused_ = true;
   int skinny_ksplit_ = 0;
+  // Cluster split-K of the skinny GEMM: OCRIA_RT_SKINNY_CLUSTER in the environment when the backend
+  // was constructed; 2 or 4 split every tile's K over that many blocks of a thread block cluster
+  // (where no split-K over the grid is asked for), anything else (the default): none. For experiments.
+  int skinny_cluster_ = 0;
   cudaStream_t stream_ = nullptr;
   // Op scratch, shared by all ops: kernels on the one stream only touch it after pdl_wait(), when
   // every earlier kernel has completed.

@@ -2,7 +2,8 @@
 //
 // Dispatch on M (tokens):
 //  - M <= 16: skinny GEMM that streams W once (decode / speculative verify are memory bound), with
-//    an optional split-K (off unless OCRIA_RT_SKINNY_KSPLIT asks). See skinny_gemm_kernel below.
+//    an optional split-K over blocks (off unless OCRIA_RT_SKINNY_KSPLIT asks) or over the blocks of a
+//    thread block cluster (off unless OCRIA_RT_SKINNY_CLUSTER asks). See skinny_gemm_kernel below.
 //  - M > 16: CUTLASS sm90 TMA/wgmma GEMM (linear_gemm_sm90.cu), bias added by a second kernel.
 //  - anything the two cannot take (K or a stride not a multiple of 8, misaligned views, F32 output
 //    for M > 16): a simple shared-memory tiled kernel.
@@ -51,13 +52,24 @@ namespace {
 // ksplit partials in split order (deterministic whichever block is last), adds the bias, stores, and
 // resets the counter to 0 for the next launch (graph replays included). Without SPLIT the kernel is
 // the one-block-per-tile kernel it always was.
+//
+// Cluster split-K (CS > 1; only when asked for, see CudaBackend::skinny_cluster): the same balance
+// for few row tiles without the scratch and the counters. The CS consecutive blocks of a cluster
+// (grid.x = tiles * CS) take the CS balanced K ranges of one tile; blocks 1 .. CS-1 store their
+// partial tile into block 0's shared memory (distributed shared memory), and after a cluster barrier
+// block 0 adds them in split order and stores. Every block arrives at a first cluster barrier when it
+// starts and waits on it before its remote stores, so block 0 is known to be running by then.
 // ---------------------------------------------------------------------------------------------
 
 template <class T> __device__ __forceinline__ void store_out(T* p, float v);
 template <> __device__ __forceinline__ void store_out<bf16>(bf16* p, float v) { *p = __float2bfloat16_rn(v); }
 template <> __device__ __forceinline__ void store_out<float>(float* p, float v) { *p = v; }
 
-template <int WARPS, int U, int S> constexpr int skinny_smem_bytes() { return S * U * 2 * WARPS * 32 * 16; }
+// Dynamic shared memory: the ring, then (cluster split-K) the partial tiles of blocks 1 .. CS-1.
+template <int WARPS, int U, int S> constexpr int skinny_ring_bytes() { return S * U * 2 * WARPS * 32 * 16; }
+template <int WARPS, int NT, int U, int S, int CS> constexpr int skinny_smem_bytes() {
+  return skinny_ring_bytes<WARPS, U, S>() + (CS - 1) * 16 * 8 * NT * int(sizeof(float));
+}
 // The K range [0, kpre) of the stages issued before pdl_wait().
 template <int WARPS, int U, int S> constexpr int skinny_prologue_k() { return (S - 1) * U * WARPS * 32; }
 
@@ -84,16 +96,19 @@ struct SplitKScratch {
 
 // Requirements (checked by the caller): K % 8 == 0, ldx % 8 == 0, ldw % 8 == 0, x and w 16-byte
 // aligned, 1 <= M <= 8 * NT; pf_bytes a multiple of 16 with kpre + pf_bytes / 2 no larger than a
-// block's K range (or 0). Dynamic shared memory: skinny_smem_bytes<WARPS, U, S>().
+// block's K range (or 0). Dynamic shared memory: skinny_smem_bytes<WARPS, NT, U, S, CS>().
 // GLU: x is a fused [gate | up] row and the GEMM input is silu(gate) * up, formed while loading
 // (up starts glu_off elements after gate), so the MLP's activation needs no kernel of its own.
 // SPLIT: gridDim.y splits of K (at most one per chunk), scratch for gridDim.x tiles x gridDim.y splits.
-template <int WARPS, int NT, int U, int S, bool GLU, bool SPLIT, class OutT>
+// CS > 1: launched in clusters of CS blocks along x, gridDim.x = tiles * CS, at most one split per chunk.
+template <int WARPS, int NT, int U, int S, bool GLU, bool SPLIT, int CS, class OutT>
 __global__ void __launch_bounds__(WARPS * 32)
     skinny_gemm_kernel(const bf16* __restrict__ x, int64_t ldx, int64_t glu_off, int M, const bf16* __restrict__ w,
                        int64_t ldw, int N, int K, uint32_t pf_bytes, ParamView bias, bool has_bias,
                        OutT* __restrict__ out, int64_t ldo, SplitKScratch scratch) {
+  static_assert(!(SPLIT && CS > 1), "split-K over the grid or over a cluster, not both");
   pdl_launch_dependents();
+  if constexpr (CS > 1) cluster_arrive_relaxed();  // "this block runs"; waited on before the remote stores
   constexpr int NTH = WARPS * 32;
   // The ring follows the static `red` (a multiple of 128 bytes) and must stay 128-byte aligned:
   // add no other static shared variable here.
@@ -102,7 +117,7 @@ __global__ void __launch_bounds__(WARPS * 32)
   static_assert(sizeof(red) % 128 == 0, "the dynamic ring after `red` must stay 128-byte aligned");
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int n0 = blockIdx.x * 16;
+  const int n0 = int(blockIdx.x) / CS * 16;  // the row tile (CS = 1: one block per tile)
   const bool row_ok0 = n0 + g < N, row_ok1 = n0 + g + 8 < N;
   const bf16* w0 = w + int64_t(row_ok0 ? n0 + g : 0) * ldw + 8 * t;
   const bf16* w1 = w + int64_t(row_ok1 ? n0 + g + 8 : 0) * ldw + 8 * t;
@@ -120,6 +135,10 @@ __global__ void __launch_bounds__(WARPS * 32)
   if constexpr (SPLIT) {
     c_lo = int(int64_t(nchunks) * blockIdx.y / gridDim.y);
     c_hi = int(int64_t(nchunks) * (blockIdx.y + 1) / gridDim.y);
+  } else if constexpr (CS > 1) {
+    const int split = int(blockIdx.x) % CS;  // the block's rank in its cluster
+    c_lo = nchunks * split / CS;
+    c_hi = nchunks * (split + 1) / CS;
   }
   const int span = c_hi - c_lo;
   const int my_chunks = warp < span ? (span - warp + WARPS - 1) / WARPS : 0;
@@ -189,6 +208,18 @@ __global__ void __launch_bounds__(WARPS * 32)
   if (owner) {
 #pragma unroll
     for (int i = 0; i < WARPS; ++i) sum += red[i][row][tok];
+  }
+  if constexpr (CS > 1) {
+    float* parts = reinterpret_cast<float*>(wring + S * U * 2 * NTH);  // block 0's: [CS - 1][kTileElems]
+    const int split = int(blockIdx.x) % CS;
+    cluster_wait();  // every block of the cluster has started
+    if (split != 0 && tid < kTileElems) store_cluster_shared(parts + (split - 1) * kTileElems + tid, 0, sum);
+    cluster_arrive();
+    cluster_wait();  // the partial tiles are in block 0's shared memory
+    if (split != 0) return;
+    if (owner) {
+      for (int s = 0; s < CS - 1; ++s) sum += parts[s * kTileElems + tid];
+    }
   }
   if constexpr (SPLIT) {
     const int splits = gridDim.y;
@@ -277,12 +308,12 @@ __global__ void add_bias_kernel(bf16* __restrict__ out, int64_t ldo, int M, int 
 // the 50 MB L2 so that the prefetched lines are still there when the blocks reach them.
 constexpr int64_t kL2PrefetchBudget = int64_t(16) << 20;
 
-template <int WARPS, int NT, int U, int S, bool GLU, bool SPLIT, class OutT>
+template <int WARPS, int NT, int U, int S, bool GLU, bool SPLIT, int CS = 1, class OutT>
 void launch_skinny_cfg(const bf16* x, int64_t ldx, int64_t glu_off, int M, const bf16* w, int64_t ldw, int N, int K,
                        ParamView bias, bool has_bias, OutT* out, int64_t ldo, int ksplit, SplitKScratch scratch,
                        const LaunchCtx& ctx) {
-  constexpr int smem = skinny_smem_bytes<WARPS, U, S>();
-  auto kernel = skinny_gemm_kernel<WARPS, NT, U, S, GLU, SPLIT, OutT>;
+  constexpr int smem = skinny_smem_bytes<WARPS, NT, U, S, CS>();
+  auto kernel = skinny_gemm_kernel<WARPS, NT, U, S, GLU, SPLIT, CS, OutT>;
   // Once per instantiation (thread-safe static initialisation); allowed during graph capture.
   static const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   check_cuda(attr, "cudaFuncSetAttribute (skinny_gemm_kernel)");
@@ -290,12 +321,14 @@ void launch_skinny_cfg(const bf16* x, int64_t ldx, int64_t glu_off, int M, const
   // a split, less one chunk for the last one's ragged end), within the budget; whole 128-byte
   // lines; none when it would be too little to matter (many rows).
   constexpr int kpre = skinny_prologue_k<WARPS, U, S>();
-  const int64_t kspan = SPLIT ? int64_t((K + 31) / 32 / ksplit - 1) * 32 : K;
+  const int splits = ksplit * CS;
+  const int64_t kspan = splits > 1 ? int64_t((K + 31) / 32 / splits - 1) * 32 : K;
   const int64_t rest = kspan > kpre ? (kspan - kpre) * int64_t(sizeof(bf16)) : 0;
-  int64_t pf = std::min(rest, kL2PrefetchBudget / (int64_t(N) * ksplit)) & ~int64_t(127);
+  int64_t pf = std::min(rest, kL2PrefetchBudget / (int64_t(N) * splits)) & ~int64_t(127);
   if (pf < 1024) pf = 0;
-  launch_pdl(ctx, "skinny_gemm_kernel", kernel, dim3((N + 15) / 16, ksplit), WARPS * 32, smem, x, ldx, glu_off, M, w,
-             ldw, N, K, uint32_t(pf), bias, has_bias, out, ldo, scratch);
+  launch_pdl_cluster(ctx, "skinny_gemm_kernel", CS > 1 ? unsigned(CS) : 0u, kernel,
+                     dim3(unsigned((N + 15) / 16 * CS), unsigned(ksplit)), WARPS * 32, smem, x, ldx, glu_off, M, w,
+                     ldw, N, K, uint32_t(pf), bias, has_bias, out, ldo, scratch);
 }
 
 // The carving of CudaBackend::splitk_scratch_.
@@ -313,12 +346,34 @@ int skinny_ksplit(int tiles, int nchunks, int mode) {
   return int(std::max<int64_t>(ksplit, 1));
 }
 
+// Cluster split-K, the blocks of a cluster per tile (1: none): `mode` is the backend's
+// OCRIA_RT_SKINNY_CLUSTER (2 or 4 ask for it, anything else is none), used when no split-K over the
+// grid is asked for and every block gets at least one 32-wide chunk.
+int skinny_cluster(int ksplit, int nchunks, int mode) {
+  return ksplit == 1 && (mode == 2 || mode == 4) && nchunks >= mode ? mode : 1;
+}
+
 template <bool GLU, class OutT>
 void launch_skinny(const bf16* x, int64_t ldx, int64_t glu_off, int M, const bf16* w, int64_t ldw, int N, int K,
                    ParamView bias, bool has_bias, OutT* out, int64_t ldo, int sm_count, int ksplit_mode,
-                   SplitKScratch scratch, const LaunchCtx& ctx) {
+                   int cluster_mode, SplitKScratch scratch, const LaunchCtx& ctx) {
   const int tiles = (N + 15) / 16;
   const int ksplit = skinny_ksplit(tiles, (K + 31) / 32, ksplit_mode);
+  const int cs = skinny_cluster(ksplit, (K + 31) / 32, cluster_mode);
+  if (cs > 1) {  // tiles * cs blocks: the 8-warp configuration
+    auto run_cs = [&](auto cs_const) {
+      constexpr int CS = decltype(cs_const)::value;
+      if (M <= 8)
+        launch_skinny_cfg<8, 1, 2, 4, GLU, false, CS>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, 1,
+                                                      scratch, ctx);
+      else
+        launch_skinny_cfg<8, 2, 2, 4, GLU, false, CS>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, 1,
+                                                      scratch, ctx);
+    };
+    if (cs == 2) run_cs(std::integral_constant<int, 2>{});
+    else run_cs(std::integral_constant<int, 4>{});
+    return;
+  }
   // Few blocks (N = 2560 without split-K: 160 tiles on 132 SMs) cannot keep enough bytes in flight
   // with 8 warps per block: give each block 16 warps then. Ring sizes: 64 KiB (8 warps, 3 blocks
   // per SM) and 96 KiB (16 warps, 2 blocks per SM); 192 resp. 128 bytes in flight per thread.
@@ -389,10 +444,10 @@ void CudaBackend::linear(const Tensor& x, const LinearWeight& lw, const Tensor& 
     const SplitKScratch scratch = splitk_scratch(splitk_scratch_);
     if (out_bf16)
       launch_skinny<false>(xp, ldx, 0, int(M), wp, ldw, int(N), int(K), bias, has_bias, out.ptr<bf16>(), ldo, sm_count_,
-                           skinny_ksplit_, scratch, launch_ctx());
+                           skinny_ksplit_, skinny_cluster_, scratch, launch_ctx());
     else
       launch_skinny<false>(xp, ldx, 0, int(M), wp, ldw, int(N), int(K), bias, has_bias, out.ptr<float>(), ldo,
-                           sm_count_, skinny_ksplit_, scratch, launch_ctx());
+                           sm_count_, skinny_ksplit_, skinny_cluster_, scratch, launch_ctx());
     return;
   }
   if (M > 16 && out_bf16 && K > 0 &&
@@ -432,7 +487,7 @@ void CudaBackend::linear_swiglu(const Tensor& gate_up, const LinearWeight& lw, c
   activate();
   launch_skinny<true>(xp, gate_up.row_stride, I, int(M), wp, lw.weight.row_stride, int(lw.weight.dim(0)), int(I),
                       ParamView{}, false, out.ptr<bf16>(), out.row_stride, sm_count_, skinny_ksplit_,
-                      splitk_scratch(splitk_scratch_), launch_ctx());
+                      skinny_cluster_, splitk_scratch(splitk_scratch_), launch_ctx());
 }
 
 }  // namespace ocria_rt
