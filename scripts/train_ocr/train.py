@@ -155,8 +155,9 @@ def make_batch(spec: DataSpec, step: int, builder: PromptBuilder, glyphs: bool =
     return batch
 
 
-# Table pages (--table-share) come from their own seed ranges: base seeds TABLE_SEEDS + k (k < TABLE_TRIES,
-# the k-th try of a page index), disjoint from every --data-seed in use and from the held-out split.
+# Table pages (--table-share) come from their own seed ranges: base seeds TABLE_SEEDS + data_seed *
+# TABLE_TRIES + k (the k-th try of a page index), disjoint from the usual train pages of any data seed
+# below 2**29 / TABLE_TRIES and, like every train seed, from the held-out split.
 TABLE_SEEDS, TABLE_TRIES = 1 << 29, 32
 
 
@@ -171,7 +172,7 @@ def page_source(spec: DataSpec, cfg, index: int) -> tuple[int, object]:
     report = synthdoc.with_overrides(cfg, layout="report")
     layout_only = synthdoc.with_overrides(report, render=False)
     for k in range(TABLE_TRIES):
-        seed = synthdoc.page_seed("train", index, TABLE_SEEDS + k)
+        seed = synthdoc.page_seed("train", index, TABLE_SEEDS + spec.seed * TABLE_TRIES + k)
         if synthdoc.generate_page(seed, layout_only)[2]["tables"]:
             break
     return seed, report
@@ -773,6 +774,8 @@ def parse_args(argv=None):
         ap.error(f"--max-batch must be in 1..{PAGES_PER_STEP_MAX}, got {args.max_batch}")
     if args.table_share is not None and not 0.0 <= args.table_share <= 1.0:
         ap.error(f"--table-share must be in 0..1, got {args.table_share}")
+    if args.table_share and args.data_seed >= TABLE_SEEDS // TABLE_TRIES:
+        ap.error(f"--table-share needs --data-seed below {TABLE_SEEDS // TABLE_TRIES}, got {args.data_seed}")
     if args.smoke:
         args.preset = "smoke"
         args.batch_tokens = min(args.batch_tokens or 1536, 1536)
