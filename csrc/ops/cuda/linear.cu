@@ -360,7 +360,8 @@ void launch_skinny(const bf16* x, int64_t ldx, int64_t glu_off, int M, const bf1
   const int tiles = (N + 15) / 16;
   const int ksplit = skinny_ksplit(tiles, (K + 31) / 32, ksplit_mode);
   const int cs = skinny_cluster(ksplit, (K + 31) / 32, cluster_mode);
-  if (cs > 1) {  // tiles * cs blocks: the 8-warp configuration
+  if (cs > 1) {  // tiles * cs blocks: the 8-warp configuration (3 blocks per SM; 2 for M > 8 with 4 per
+                 // cluster, whose partial tiles take the shared memory a third block would need)
     auto run_cs = [&](auto cs_const) {
       constexpr int CS = decltype(cs_const)::value;
       if (M <= 8)
