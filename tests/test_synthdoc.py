@@ -242,3 +242,15 @@ def test_evaluate_with_a_function():
         refs[_pixels(image)] = md
     out = synthdoc.evaluate(oracle, n_pages=3, seed=0, prompt="Convert this page to Markdown.")
     assert out["pages"] == 3 and out["cer"] == 0.0 and out["tables_exact"] == out["tables"]
+    layouts = [p["layout"] for p in out["per_page"]]
+    assert {k: v["pages"] for k, v in out["by_layout"].items()} == {k: layouts.count(k) for k in set(layouts)}
+
+    def blind(image, prompt):  # right on the first page only
+        return refs[_pixels(image)] if _pixels(image) == first else ""
+
+    first = _pixels(next(iter_dataset("heldout", 1, seed=0))[0])
+    out = synthdoc.evaluate(blind, n_pages=3, seed=0)
+    assert [p["cer"] for p in out["per_page"]] == [0.0, 1.0, 1.0]
+    for name, v in out["by_layout"].items():  # each layout's mean over its own pages
+        pages = [p for p in out["per_page"] if p["layout"] == name]
+        assert v["cer"] == sum(p["cer"] for p in pages) / len(pages)

@@ -210,6 +210,7 @@ def _eval(args: argparse.Namespace) -> int:
     print(f"{r['pages']} held-out pages (seed {args.seed}): CER {100 * r['cer']:.2f}% (pooled "
           f"{100 * r['cer_micro']:.2f}%, median {100 * r['cer_median']:.2f}%); tables exact "
           f"{r['tables_exact']}/{r['tables']} ({rate}); {r['pages_per_s']:.2f} pages/s on {eng.device}")
+    print("by layout: " + ", ".join(f"{name} {100 * v['cer']:.1f}% ({v['pages']})" for name, v in r["by_layout"].items()))
     print(f"pages: {source}: long side {cfg.long_side[0]}-{cfg.long_side[1]} px, body {cfg.body_px[0]}-{cfg.body_px[1]} px"
           + (f", at most {cfg.max_chars} characters" if cfg.max_chars else ""))
     return 0

@@ -34,7 +34,7 @@ if [ -n "${BENCH_CMD:-}" ]; then
     tar czf "$OUT/bench.tgz" -C "$OUT" bench && rm -rf "$OUT/bench" ) &
 fi
 timeout 575 scripts/train_ocr/device_train.sh "$OUT/run" "$MINUTES" "$RESUME" --workers "${WORKERS:-14}" \
-  --eval-every-minutes 100 --ckpt-every-minutes 100 --eval-max-new 300 "$@" > /dev/null 2>&1
+  --eval-every-minutes 100 --ckpt-every-minutes 100 --eval-max-new 300 --eval-pages 32 "$@" > /dev/null 2>&1
 status=$?
 if [ -f "$OUT/run/ckpt/state.json" ]; then
   rm -rf "$KEEP" && mkdir -p "$KEEP" && cp -r "$OUT/run/ckpt" "$KEEP/ckpt" && echo "checkpoint kept in $KEEP/ckpt"

@@ -167,8 +167,9 @@ def evaluate(engine_or_fn: Any, n_pages: int = 200, seed: int = 0, config: Any =
     engine_or_fn: an ocria_rt.Engine holding a VLM (each page goes through ``Engine.chat`` with the
     image and the prompt, greedy), or a function ``(PIL.Image, prompt) -> markdown``.
     prompt: default ocria_rt.pipeline.DEFAULT_PROMPT (what ``ocria_rt.parse`` sends).
-    Returns summarize()'s figures, plus seconds, pages_per_s, per_page (cer, tables, ...) and the first
-    `keep_outputs` (prediction, reference) pairs under "samples".
+    Returns summarize()'s figures, plus seconds, pages_per_s, by_layout (summarize() of each layout's
+    pages), per_page (cer, tables, ...) and the first `keep_outputs` (prediction, reference) pairs
+    under "samples".
     """
     from . import iter_dataset
 
@@ -199,6 +200,8 @@ def evaluate(engine_or_fn: Any, n_pages: int = 200, seed: int = 0, config: Any =
             print(f"  page {i + 1}/{n_pages}: cer {s['cer']:.4f} tables {s['tables_exact']}/{s['tables']}", flush=True)
     out = summarize(pages)
     dt = time.perf_counter() - t0
-    out.update(seconds=dt, pages_per_s=len(pages) / dt if dt > 0 else 0.0, seed=seed, per_page=pages,
-               samples=samples)
+    by_layout = {name: summarize([p for p in pages if p["layout"] == name])
+                 for name in sorted({p["layout"] for p in pages})}
+    out.update(seconds=dt, pages_per_s=len(pages) / dt if dt > 0 else 0.0, seed=seed, by_layout=by_layout,
+               per_page=pages, samples=samples)
     return out
