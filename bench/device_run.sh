@@ -4,7 +4,8 @@
 #
 #   bench/device_run.sh OUT_DIR [tests|kernels|decode|vision|all ...]
 #
-# Extra benchmark arguments: DECODE_ARGS, VISION_ARGS, KERNELS_ARGS, TEST_ARGS (pytest; default: the whole suite);
+# Extra benchmark arguments: DECODE_ARGS, VISION_ARGS, KERNELS_ARGS, TEST_ARGS (pytest; default: the whole suite),
+# TEST_K (a pytest -k expression, spaces allowed);
 # build parallelism: CMAKE_BUILD_PARALLEL_LEVEL; OCRIA_RT_SKIP_BUILD=1 uses what an earlier run installed.
 #
 # Dependencies the machine lacks come as wheels in .wheels/ (nvidia-cutlass for the CUTLASS headers,
@@ -33,7 +34,7 @@ python3 -c "import ocria_rt, json; print(json.dumps(ocria_rt.build_info()))"
 
 status=0
 if has_step tests; then
-  python3 -m pytest -q -rs ${TEST_ARGS:-tests} 2>&1 | tee "$OUT_DIR/tests.log" | tail -25
+  python3 -m pytest -q -rs ${TEST_ARGS:-tests} ${TEST_K:+-k "$TEST_K"} 2>&1 | tee "$OUT_DIR/tests.log" | tail -25
   status=${PIPESTATUS[0]}
 fi
 if has_step kernels && [ -f bench/kernels.py ]; then
