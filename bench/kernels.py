@@ -1,11 +1,12 @@
 """Kernel benchmarks of the CUDA backend on OCRia-1 (Qwen3.5-4B text) shapes, each beside its ceiling.
 
-    python bench/kernels.py OUT.json [--reps 10] [--skip-prefill] [--ksplit-sweep 2,3,4,6,8] [--cluster-sweep 2,4]
+    python bench/kernels.py OUT.json [--reps 10] [--skip-prefill] [--ksplit-sweep 2,3,4,6,8] [--cluster-sweep 2,4] [--persistent]
 
 - linear, decode / verify (M = 1..16 tokens): achieved bandwidth (weight bytes + activations) against
   the measured device-to-device copy bandwidth (bytes read + written per second); --ksplit-sweep adds
   M = 1 / 16 with the skinny GEMM's split-K forced to each listed count (OCRIA_RT_SKINNY_KSPLIT), and
-  --cluster-sweep with its K split over each listed number of blocks of a cluster (OCRIA_RT_SKINNY_CLUSTER);
+  --cluster-sweep with its K split over each listed number of blocks of a cluster (OCRIA_RT_SKINNY_CLUSTER),
+  --persistent with persistent blocks (OCRIA_RT_SKINNY_PERSISTENT=1; the shapes of many row tiles);
 - linear, prefill (M = 8192): TFLOP/s against torch.matmul (cuBLAS) on the same shapes, same run;
 - Gated DeltaNet recurrence per layer at T = 1 and 16, against the time to read and write the fp32
   state once; GDN prefill (the chunked kernels) at T = 1k / 4k / 8k beside the token-serial
@@ -173,6 +174,8 @@ def main() -> None:
     ap.add_argument("--skip-linear", action="store_true", help="skip the linear layers (decode and prefill)")
     ap.add_argument("--ksplit-sweep", default="",
                     help="comma-separated skinny-GEMM split counts to time at M = 1 / 16 (e.g. 2,3,4,6,8)")
+    ap.add_argument("--persistent", action="store_true",
+                    help="also time M = 1 / 16 with persistent skinny-GEMM blocks (OCRIA_RT_SKINNY_PERSISTENT=1)")
     ap.add_argument("--cluster-sweep", default="",
                     help="comma-separated blocks per cluster of the skinny GEMM's cluster split-K to time at M = 1 / 16 (2,4)")
     args = ap.parse_args()
@@ -186,6 +189,7 @@ def main() -> None:
     results: dict = {"device": device_name(), "copy_bandwidth_Bps": bw, "copy_bandwidth_source": bw_source,
                      "linear_decode": [], "linear_prefill": [], "gdn": [], "gdn_prefill": [], "attention": [],
                      "attention_prefill": [], "linear_decode_ksplit_sweep": [], "linear_decode_cluster_sweep": [],
+                     "linear_decode_persistent_sweep": [],
                      "sample": [], "skinny_ksplit": ksplit_mode}
     summary: list[dict] = []
 
@@ -209,10 +213,11 @@ def main() -> None:
     print(f"\n## Linear, decode / verify (weight streaming; OCRIA_RT_SKINNY_KSPLIT={ksplit_mode})\n")
     print(markdown_table(rows, ["shape", "M", "N", "K", "us", "TB/s", "of copy BW"]))
 
-    # ---- linear, M = 1 / 16 with split-K forced to each count of --ksplit-sweep / --cluster-sweep ----
+    # ---- linear, M = 1 / 16 with the skinny GEMM's experimental switches (--ksplit-sweep, --cluster-sweep, --persistent) ----
     for flag, var, key, title in (
             (args.ksplit_sweep, "OCRIA_RT_SKINNY_KSPLIT", "ksplit", "split-K over the grid forced (capped by K and the scratch)"),
-            (args.cluster_sweep, "OCRIA_RT_SKINNY_CLUSTER", "cluster", "split-K over the blocks of a cluster")):
+            (args.cluster_sweep, "OCRIA_RT_SKINNY_CLUSTER", "cluster", "split-K over the blocks of a cluster"),
+            ("1" if args.persistent else "", "OCRIA_RT_SKINNY_PERSISTENT", "persistent", "persistent blocks")):
         sweep = [k.strip() for k in flag.split(",") if k.strip()]
         if not sweep or args.skip_linear:
             continue

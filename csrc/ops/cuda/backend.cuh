@@ -313,6 +313,9 @@ class CudaBackend final : public Backend {
   // was constructed; 2 or 4 split every tile's K over that many blocks of a thread block cluster
   // (where no split-K over the grid is asked for), anything else (the default): none. For experiments.
   int skinny_cluster_ = 0;
+  // Persistent skinny-GEMM blocks for many row tiles: OCRIA_RT_SKINNY_PERSISTENT=1 in the environment
+  // when the backend was constructed (default off). For experiments.
+  bool skinny_persistent_ = false;
   cudaStream_t stream_ = nullptr;
   // Op scratch, shared by all ops: kernels on the one stream only touch it after pdl_wait(), when
   // every earlier kernel has completed.
