@@ -177,7 +177,8 @@ def main() -> None:
     ap.add_argument("--persistent", action="store_true",
                     help="also time M = 1 / 16 with persistent skinny-GEMM blocks (OCRIA_RT_SKINNY_PERSISTENT=1)")
     ap.add_argument("--cluster-sweep", default="",
-                    help="comma-separated blocks per cluster of the skinny GEMM's cluster split-K to time at M = 1 / 16 (2,4)")
+                    help="comma-separated blocks per cluster of the skinny GEMM's cluster split-K to time at M = 1 / 16 "
+                         "(2,4; it applies to the shapes of few row tiles, N = 2560)")
     args = ap.parse_args()
 
     from ocria_rt import _core

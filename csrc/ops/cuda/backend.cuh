@@ -311,7 +311,8 @@ class CudaBackend final : public Backend {
   int skinny_ksplit_ = 0;
   // Cluster split-K of the skinny GEMM: OCRIA_RT_SKINNY_CLUSTER in the environment when the backend
   // was constructed; 2 or 4 split every tile's K over that many blocks of a thread block cluster
-  // (where no split-K over the grid is asked for), anything else (the default): none. For experiments.
+  // where there are few row tiles and no split-K over the grid is asked for, anything else (the
+  // default): none. For experiments.
   int skinny_cluster_ = 0;
   // Persistent skinny-GEMM blocks for many row tiles: OCRIA_RT_SKINNY_PERSISTENT=1 in the environment
   // when the backend was constructed (default off). For experiments.

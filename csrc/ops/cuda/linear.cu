@@ -405,10 +405,10 @@ int skinny_ksplit(int tiles, int nchunks, int mode) {
 }
 
 // Cluster split-K, the blocks of a cluster per tile (1: none): `mode` is the backend's
-// OCRIA_RT_SKINNY_CLUSTER (2 or 4 ask for it, anything else is none), used when no split-K over the
-// grid is asked for and every block gets at least one 32-wide chunk.
-int skinny_cluster(int ksplit, int nchunks, int mode) {
-  return ksplit == 1 && (mode == 2 || mode == 4) && nchunks >= mode ? mode : 1;
+// OCRIA_RT_SKINNY_CLUSTER (2 or 4 ask for it, anything else is none), used for few row tiles (`wide`,
+// below) when no split-K over the grid is asked for and every block gets at least one 32-wide chunk.
+int skinny_cluster(bool wide, int ksplit, int nchunks, int mode) {
+  return wide && ksplit == 1 && (mode == 2 || mode == 4) && nchunks >= mode ? mode : 1;
 }
 
 template <bool GLU, class OutT>
@@ -417,7 +417,11 @@ void launch_skinny(const bf16* x, int64_t ldx, int64_t glu_off, int M, const bf1
                    int cluster_mode, bool persistent, SplitKScratch scratch, const LaunchCtx& ctx) {
   const int tiles = (N + 15) / 16;
   const int ksplit = skinny_ksplit(tiles, (K + 31) / 32, ksplit_mode);
-  const int cs = skinny_cluster(ksplit, (K + 31) / 32, cluster_mode);
+  // Few blocks (N = 2560 without split-K: 160 tiles on 132 SMs) cannot keep enough bytes in flight
+  // with 8 warps per block: give each block 16 warps then. Ring sizes: 64 KiB (8 warps, 3 blocks
+  // per SM) and 96 KiB (16 warps, 2 blocks per SM); 192 resp. 128 bytes in flight per thread.
+  const bool wide = int64_t(tiles) * ksplit < 4 * sm_count;
+  const int cs = skinny_cluster(wide, ksplit, (K + 31) / 32, cluster_mode);
   if (cs > 1) {  // tiles * cs blocks: the 8-warp configuration (3 blocks per SM; 2 for M > 8 with 4 per
                  // cluster, whose partial tiles take the shared memory a third block would need)
     auto run_cs = [&](auto cs_const) {
@@ -433,10 +437,6 @@ void launch_skinny(const bf16* x, int64_t ldx, int64_t glu_off, int M, const bf1
     else run_cs(std::integral_constant<int, 4>{});
     return;
   }
-  // Few blocks (N = 2560 without split-K: 160 tiles on 132 SMs) cannot keep enough bytes in flight
-  // with 8 warps per block: give each block 16 warps then. Ring sizes: 64 KiB (8 warps, 3 blocks
-  // per SM) and 96 KiB (16 warps, 2 blocks per SM); 192 resp. 128 bytes in flight per thread.
-  const bool wide = int64_t(tiles) * ksplit < 4 * sm_count;
   // Persistent blocks (OCRIA_RT_SKINNY_PERSISTENT=1), for many tiles (the 8-warp configuration, no
   // split-K): as many blocks as fit at once, each streaming its tiles one after the other.
   if (persistent && ksplit == 1 && !wide) {
