@@ -6,9 +6,12 @@ from pathlib import Path
 
 import numpy as np
 
+import ocria_rt
+
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
-PACKAGE_MODELS = Path(__file__).resolve().parent.parent / "python" / "ocria_rt" / "models"
+PACKAGE_MODELS = Path(ocria_rt.__file__).resolve().parent / "models"  # the models of the package under test
 TINY_RANDOM = PACKAGE_MODELS / "tiny-random"  # random weights: the engine tests' small text model
+TINY_VLM = PACKAGE_MODELS / "tiny-vlm"  # random weights: the tests' small VLM
 MODEL_FIXTURES = ["text_tied", "text_untied_dkdv", "vlm_untied"]
 
 

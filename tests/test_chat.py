@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,9 +21,8 @@ from ocria_rt.chat import (
     load_chat_template,
     vision_token_ids,
 )
-from support import FIXTURES, TINY_RANDOM, relerr
+from support import FIXTURES, TINY_RANDOM, TINY_VLM, relerr
 
-TINY_VLM = Path(ocria_rt.__file__).resolve().parent / "models" / "tiny-vlm"
 REF = dict(np.load(FIXTURES / "tiny_vlm_ref.npz"))
 IMAGES = FIXTURES / "images"
 

@@ -21,8 +21,8 @@ import ocria_rt
 import pdf_craft
 import vision_cases as vc
 from ocria_rt.pipeline import DEFAULT_PROMPT, parse, parse_page_spec, select_pages
+from support import TINY_VLM
 
-TINY_VLM = Path(ocria_rt.__file__).resolve().parent / "models" / "tiny-vlm"
 FAST = dict(max_new_tokens=8, target_long_side=400, progress=False)
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -172,7 +173,9 @@ def write_sample(model_dir: Path, out: Path, n_pages: int = 4) -> dict:
     pages = list(synthdoc.iter_dataset("heldout", n_pages, 0, cfg))
     out.mkdir(parents=True, exist_ok=True)
     images = [im.convert("RGB") for im, _, _ in pages]
-    images[0].save(out / "sample.pdf", resolution=72.0, save_all=True, append_images=images[1:])
+    epoch = time.gmtime(0)  # fixed dates: the same pages give the same bytes, export after export
+    images[0].save(out / "sample.pdf", resolution=72.0, save_all=True, append_images=images[1:],
+                   creationDate=epoch, modDate=epoch)
     meta = {"model": Path(model_dir).name, "split": "heldout", "seed": 0,
             "page_seeds": [m["seed"] for _, _, m in pages], "markdown": [md for _, md, _ in pages]}
     common.write_json(out / "sample.json", meta)
