@@ -192,6 +192,21 @@ def test_linear_swiglu_cluster_splitk(cpu, gpu_with_env, T, I, N, cs):
     np.testing.assert_array_equal(gpu.linear_swiglu(gu, w), first)
 
 
+@pytest.mark.parametrize("M,K,N,auto_cs", [(1, 4096, 2560, "2"), (16, 9216, 2560, "2"), (1, 3584, 1024, "0"),
+                                            (1, 1024, 7168, "0")])
+def test_linear_cluster_auto(gpu_with_env, M, K, N, auto_cs):
+    """Unset (or empty), OCRIA_RT_SKINNY_CLUSTER takes 2 blocks per cluster for between one and two
+    row tiles per SM and none otherwise: bit for bit the launch of the explicit choice (F32 output:
+    the two launches sum in different orders, so a wrong choice shows). N = 2560 (160 tiles) falls
+    inside on GPUs of 81 to 160 SMs (the H200 has 132), N = 1024 (64 tiles) and 7168 (448) outside."""
+    rng = np.random.default_rng(M + K + N)
+    x, w = randn(rng, M, K), randn(rng, N, K, scale=K**-0.5)
+    auto = gpu_with_env("OCRIA_RT_SKINNY_CLUSTER", "").linear(x, w, None, True)
+    np.testing.assert_array_equal(auto, gpu_with_env("OCRIA_RT_SKINNY_CLUSTER", auto_cs).linear(x, w, None, True))
+    other = "0" if auto_cs == "2" else "2"
+    assert not np.array_equal(auto, gpu_with_env("OCRIA_RT_SKINNY_CLUSTER", other).linear(x, w, None, True))
+
+
 # ---- skinny GEMM with persistent blocks: each block streams several row tiles ----
 
 # M, K, N: more row tiles than 4 blocks per SM (the 8-warp configuration, where persistent blocks
@@ -232,16 +247,17 @@ def test_linear_swiglu_persistent(cpu, gpu_with_env, T, I, N):
 CHAIN_CASES = [(1, 2560, 4608), (5, 2560, 4608), (16, 2560, 4608), (3, 1000, 1500)]
 
 
-@pytest.mark.parametrize("ksplit,cluster,persistent", [("1", "0", "0"), ("3", "0", "0"), ("1", "4", "0"), ("1", "0", "1")])
+@pytest.mark.parametrize("ksplit,cluster,persistent", [("", "", ""), ("1", "0", "0"), ("3", "0", "0"), ("1", "4", "0"),
+                                                       ("1", "0", "1")])
 @pytest.mark.parametrize("M,H,I", CHAIN_CASES)
 def test_dependent_op_chain(cpu, monkeypatch, M, H, I, ksplit, cluster, persistent):
     """add_rms_norm -> linear -> linear_swiglu three times, then add_rms_norm, enqueued without host
     synchronisation in between, so that with PDL each kernel starts while its predecessor still runs
     and buffers are rewritten while earlier kernels may still read them. Against the CPU, and bit
     for bit against the same chain with PDL off (same kernels, same arithmetic: a missing
-    pdl_wait() shows as a difference). Skinny-GEMM split-K off (the default) and forced to 3 splits
-    everywhere (back-to-back launches share the scratch), cluster split-K over 4 blocks, and
-    persistent blocks (gate_up's 576 tiles)."""
+    pdl_wait() shows as a difference). The skinny GEMM's defaults (empty: its automatic choices),
+    everything off, split-K forced to 3 splits everywhere (back-to-back launches share the scratch),
+    cluster split-K over 4 blocks, and persistent blocks (gate_up's 576 tiles)."""
     monkeypatch.setenv("OCRIA_RT_SKINNY_KSPLIT", ksplit)
     monkeypatch.setenv("OCRIA_RT_SKINNY_CLUSTER", cluster)
     monkeypatch.setenv("OCRIA_RT_SKINNY_PERSISTENT", persistent)

@@ -237,6 +237,8 @@ class CudaBackend final : public Backend {
   // counters for the at most kSplitKSlots / 2 tiles of a split launch.
   static constexpr int64_t kSplitKSlots = 4096;
   static constexpr size_t kSplitKCounterBytes = size_t(kSplitKSlots / 2) * sizeof(uint32_t);
+  // The value of the skinny GEMM's launch-shape switches (below) when the environment leaves them unset.
+  static constexpr int kSkinnyAuto = -1;
   static constexpr size_t kSplitKBytes = kSplitKCounterBytes + size_t(kSplitKSlots) * 16 * 16 * sizeof(float);
 
   const char* name() const override { return "cuda"; }
@@ -309,14 +311,14 @@ class CudaBackend final : public Backend {
   bool pdl_ = true;
   bool gdn_fused_ = true;
   int skinny_ksplit_ = 0;
-  // Cluster split-K of the skinny GEMM: OCRIA_RT_SKINNY_CLUSTER in the environment when the backend
-  // was constructed; 2 or 4 split every tile's K over that many blocks of a thread block cluster
-  // where there are few row tiles and no split-K over the grid is asked for, anything else (the
-  // default): none. For experiments.
-  int skinny_cluster_ = 0;
-  // Persistent skinny-GEMM blocks for many row tiles: OCRIA_RT_SKINNY_PERSISTENT=1 in the environment
-  // when the backend was constructed (default off). For experiments.
-  bool skinny_persistent_ = false;
+  // The skinny GEMM's two launch-shape switches, read from the environment when the backend is
+  // constructed; unset or empty: kSkinnyAuto, the measured choice (linear.cu, launch_skinny).
+  // OCRIA_RT_SKINNY_CLUSTER: 2 or 4 split every tile's K over that many blocks of a thread block
+  // cluster wherever there are few row tiles and no split-K over the grid is asked for; any other
+  // number: never. OCRIA_RT_SKINNY_PERSISTENT: 1 persistent blocks for every shape of many row
+  // tiles, anything else: never.
+  int skinny_cluster_ = kSkinnyAuto;
+  int skinny_persistent_ = kSkinnyAuto;
   cudaStream_t stream_ = nullptr;
   // Op scratch, shared by all ops: kernels on the one stream only touch it after pdl_wait(), when
   // every earlier kernel has completed.

@@ -3,8 +3,8 @@
 // Dispatch on M (tokens):
 //  - M <= 16: skinny GEMM that streams W once (decode / speculative verify are memory bound), with
 //    an optional split-K over blocks (off unless OCRIA_RT_SKINNY_KSPLIT asks) or over the blocks of a
-//    thread block cluster (off unless OCRIA_RT_SKINNY_CLUSTER asks), and optional persistent blocks
-//    (off unless OCRIA_RT_SKINNY_PERSISTENT=1). See skinny_gemm_kernel below.
+//    thread block cluster (OCRIA_RT_SKINNY_CLUSTER), and persistent blocks for many row tiles
+//    (OCRIA_RT_SKINNY_PERSISTENT); see skinny_gemm_kernel and launch_skinny below.
 //  - M > 16: CUTLASS sm90 TMA/wgmma GEMM (linear_gemm_sm90.cu), bias added by a second kernel.
 //  - anything the two cannot take (K or a stride not a multiple of 8, misaligned views, F32 output
 //    for M > 16): a simple shared-memory tiled kernel.
@@ -54,7 +54,7 @@ namespace {
 // resets the counter to 0 for the next launch (graph replays included). Without SPLIT the kernel is
 // the one-block-per-tile kernel it always was.
 //
-// Cluster split-K (CS > 1; only when asked for, see CudaBackend::skinny_cluster): the same balance
+// Cluster split-K (CS > 1; see skinny_cluster below): the same balance
 // for few row tiles without the scratch and the counters. The CS consecutive blocks of a cluster
 // (grid.x = tiles * CS) take the CS balanced K ranges of one tile; blocks 1 .. CS-1 store their
 // partial tile into block 0's shared memory (distributed shared memory), and after a cluster barrier
@@ -405,23 +405,37 @@ int skinny_ksplit(int tiles, int nchunks, int mode) {
 }
 
 // Cluster split-K, the blocks of a cluster per tile (1: none): `mode` is the backend's
-// OCRIA_RT_SKINNY_CLUSTER (2 or 4 ask for it, anything else is none), used for few row tiles (`wide`,
+// OCRIA_RT_SKINNY_CLUSTER (2 or 4 ask for it, another number never), used for few row tiles (`wide`,
 // below) when no split-K over the grid is asked for and every block gets at least one 32-wide chunk.
-int skinny_cluster(bool wide, int ksplit, int nchunks, int mode) {
-  return wide && ksplit == 1 && (mode == 2 || mode == 4) && nchunks >= mode ? mode : 1;
+// Auto: 2 for between one and two tiles per SM, where one block per tile leaves some SMs with twice
+// the bytes of the others (N = 2560: 160 tiles on 132 SMs; H200, bench/results: MLP down 17.0 ->
+// 15.8 us at M = 1, 27.0 -> 20.4 at M = 16). Everywhere it measured slower in decode (Qwen3.5-0.8B,
+// whose wide shapes have 64 or 320-514 tiles: 990 -> 917 tokens/s), and so did 4 blocks.
+int skinny_cluster(bool wide, int tiles, int sm_count, int ksplit, int nchunks, int mode) {
+  const bool uneven = tiles >= sm_count && tiles < 2 * sm_count;
+  const int cs = mode == CudaBackend::kSkinnyAuto ? (uneven ? 2 : 1) : mode;
+  return wide && ksplit == 1 && (cs == 2 || cs == 4) && nchunks >= cs ? cs : 1;
+}
+
+// Persistent blocks for the shapes of many row tiles: `mode` is the backend's
+// OCRIA_RT_SKINNY_PERSISTENT (1: always, another number: never). Auto: up to 16 tiles per SM, where
+// they measured faster (H200, M = 1: in_proj 18.8 -> 17.3 us, qkv 17.2 -> 15.1, gate_up 25.1 -> 24.0)
+// but not for the LM head's 15520 tiles (286 -> 295 us).
+bool skinny_persistent(int tiles, int sm_count, int mode) {
+  return mode == CudaBackend::kSkinnyAuto ? tiles <= 16 * sm_count : mode == 1;
 }
 
 template <bool GLU, class OutT>
 void launch_skinny(const bf16* x, int64_t ldx, int64_t glu_off, int M, const bf16* w, int64_t ldw, int N, int K,
                    ParamView bias, bool has_bias, OutT* out, int64_t ldo, int sm_count, int ksplit_mode,
-                   int cluster_mode, bool persistent, SplitKScratch scratch, const LaunchCtx& ctx) {
+                   int cluster_mode, int persistent_mode, SplitKScratch scratch, const LaunchCtx& ctx) {
   const int tiles = (N + 15) / 16;
   const int ksplit = skinny_ksplit(tiles, (K + 31) / 32, ksplit_mode);
   // Few blocks (N = 2560 without split-K: 160 tiles on 132 SMs) cannot keep enough bytes in flight
   // with 8 warps per block: give each block 16 warps then. Ring sizes: 64 KiB (8 warps, 3 blocks
   // per SM) and 96 KiB (16 warps, 2 blocks per SM); 192 resp. 128 bytes in flight per thread.
   const bool wide = int64_t(tiles) * ksplit < 4 * sm_count;
-  const int cs = skinny_cluster(wide, ksplit, (K + 31) / 32, cluster_mode);
+  const int cs = skinny_cluster(wide, tiles, sm_count, ksplit, (K + 31) / 32, cluster_mode);
   if (cs > 1) {  // tiles * cs blocks: the 8-warp configuration (3 blocks per SM; 2 for M > 8 with 4 per
                  // cluster, whose partial tiles take the shared memory a third block would need)
     auto run_cs = [&](auto cs_const) {
@@ -437,9 +451,9 @@ void launch_skinny(const bf16* x, int64_t ldx, int64_t glu_off, int M, const bf1
     else run_cs(std::integral_constant<int, 4>{});
     return;
   }
-  // Persistent blocks (OCRIA_RT_SKINNY_PERSISTENT=1), for many tiles (the 8-warp configuration, no
-  // split-K): as many blocks as fit at once, each streaming its tiles one after the other.
-  if (persistent && ksplit == 1 && !wide) {
+  // Persistent blocks, for many tiles (the 8-warp configuration, no split-K): as many blocks as fit
+  // at once, each streaming its tiles one after the other.
+  if (ksplit == 1 && !wide && skinny_persistent(tiles, sm_count, persistent_mode)) {
     if (M <= 8)
       launch_skinny_cfg<8, 1, 2, 4, GLU, false, 1, true>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, 1,
                                                          scratch, ctx, sm_count);
