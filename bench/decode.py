@@ -101,8 +101,9 @@ def label_groups(rows: list[dict], c: dict, context: int) -> None:
         name, grid = r["kernel"], r["grid"]
         r["work"], r["bytes_per_step"] = "", None
         if name.startswith("skinny_gemm_kernel<") and grid:
-            glu = name.split("<", 1)[1].split(",")[4].strip() == "true"
-            hits = [l for l in linears if (l["N"] + 15) // 16 == grid[0] and l["glu"] == glu]
+            targs = [a.strip() for a in name.split("<", 1)[1].split(",")]  # WARPS, NT, U, S, GLU, SPLIT, CS, OutT
+            glu, blocks_per_tile = targs[4] == "true", int(targs[6])
+            hits = [l for l in linears if (l["N"] + 15) // 16 == grid[0] // blocks_per_tile and l["glu"] == glu]
             if hits:
                 r["work"] = " / ".join(l["name"] for l in hits)
                 r["bytes_per_step"] = float(sum(2 * l["N"] * l["K"] * l["count"] for l in hits))

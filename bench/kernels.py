@@ -1,10 +1,12 @@
 """Kernel benchmarks of the CUDA backend on OCRia-1 (Qwen3.5-4B text) shapes, each beside its ceiling.
 
-    python bench/kernels.py OUT.json [--reps 10] [--skip-prefill] [--ksplit-sweep 2,3,4,6,8]
+    python bench/kernels.py OUT.json [--reps 10] [--skip-prefill] [--ksplit-sweep 2,3,4,6,8] [--cluster-sweep 2,4] [--persistent]
 
 - linear, decode / verify (M = 1..16 tokens): achieved bandwidth (weight bytes + activations) against
   the measured device-to-device copy bandwidth (bytes read + written per second); --ksplit-sweep adds
-  M = 1 / 16 with the skinny GEMM's split-K forced to each listed count (OCRIA_RT_SKINNY_KSPLIT);
+  M = 1 / 16 with the skinny GEMM's split-K forced to each listed count (OCRIA_RT_SKINNY_KSPLIT), and
+  --cluster-sweep with its K split over each listed number of blocks of a cluster (OCRIA_RT_SKINNY_CLUSTER),
+  --persistent with persistent blocks (OCRIA_RT_SKINNY_PERSISTENT=1; the shapes of many row tiles);
 - linear, prefill (M = 8192): TFLOP/s against torch.matmul (cuBLAS) on the same shapes, same run;
 - Gated DeltaNet recurrence per layer at T = 1 and 16, against the time to read and write the fp32
   state once; GDN prefill (the chunked kernels) at T = 1k / 4k / 8k beside the token-serial
@@ -54,17 +56,17 @@ ATTN_PREFILL_T = [1024, 4096, 8192]
 GDN_PREFILL_T = [1024, 4096, 8192]
 
 
-def kernel_bench_with_ksplit(core, ksplit: str):
-    """A KernelBench whose CUDA backend reads OCRIA_RT_SKINNY_KSPLIT = ksplit when it is constructed."""
-    saved = os.environ.get("OCRIA_RT_SKINNY_KSPLIT")
-    os.environ["OCRIA_RT_SKINNY_KSPLIT"] = ksplit
+def kernel_bench_with_env(core, var: str, value: str):
+    """A KernelBench whose CUDA backend reads var = value (e.g. OCRIA_RT_SKINNY_KSPLIT) when it is constructed."""
+    saved = os.environ.get(var)
+    os.environ[var] = value
     try:
         return core.KernelBench("cuda")
     finally:
         if saved is None:
-            del os.environ["OCRIA_RT_SKINNY_KSPLIT"]
+            del os.environ[var]
         else:
-            os.environ["OCRIA_RT_SKINNY_KSPLIT"] = saved
+            os.environ[var] = saved
 
 
 def med(xs: list[float]) -> float:
@@ -172,6 +174,11 @@ def main() -> None:
     ap.add_argument("--skip-linear", action="store_true", help="skip the linear layers (decode and prefill)")
     ap.add_argument("--ksplit-sweep", default="",
                     help="comma-separated skinny-GEMM split counts to time at M = 1 / 16 (e.g. 2,3,4,6,8)")
+    ap.add_argument("--persistent", action="store_true",
+                    help="also time M = 1 / 16 with persistent skinny-GEMM blocks (OCRIA_RT_SKINNY_PERSISTENT=1)")
+    ap.add_argument("--cluster-sweep", default="",
+                    help="comma-separated blocks per cluster of the skinny GEMM's cluster split-K to time at M = 1 / 16 "
+                         "(2,4; it applies to the shapes of few row tiles, N = 2560)")
     args = ap.parse_args()
 
     from ocria_rt import _core
@@ -182,7 +189,8 @@ def main() -> None:
     print(f"device: {device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s ({bw_source})", flush=True)
     results: dict = {"device": device_name(), "copy_bandwidth_Bps": bw, "copy_bandwidth_source": bw_source,
                      "linear_decode": [], "linear_prefill": [], "gdn": [], "gdn_prefill": [], "attention": [],
-                     "attention_prefill": [], "linear_decode_ksplit_sweep": [],
+                     "attention_prefill": [], "linear_decode_ksplit_sweep": [], "linear_decode_cluster_sweep": [],
+                     "linear_decode_persistent_sweep": [],
                      "sample": [], "skinny_ksplit": ksplit_mode}
     summary: list[dict] = []
 
@@ -206,25 +214,29 @@ def main() -> None:
     print(f"\n## Linear, decode / verify (weight streaming; OCRIA_RT_SKINNY_KSPLIT={ksplit_mode})\n")
     print(markdown_table(rows, ["shape", "M", "N", "K", "us", "TB/s", "of copy BW"]))
 
-    # ---- linear, M = 1 / 16 with split-K forced to each count of --ksplit-sweep ----
-    sweep = [k.strip() for k in args.ksplit_sweep.split(",") if k.strip()]
-    if sweep and not args.skip_linear:
+    # ---- linear, M = 1 / 16 with the skinny GEMM's experimental switches (--ksplit-sweep, --cluster-sweep, --persistent) ----
+    for flag, var, key, title in (
+            (args.ksplit_sweep, "OCRIA_RT_SKINNY_KSPLIT", "ksplit", "split-K over the grid forced (capped by K and the scratch)"),
+            (args.cluster_sweep, "OCRIA_RT_SKINNY_CLUSTER", "cluster", "split-K over the blocks of a cluster"),
+            ("1" if args.persistent else "", "OCRIA_RT_SKINNY_PERSISTENT", "persistent", "persistent blocks")):
+        sweep = [k.strip() for k in flag.split(",") if k.strip()]
+        if not sweep or args.skip_linear:
+            continue
         rows = []
         for k in sweep:
-            kb_k = kernel_bench_with_ksplit(_core, k)
+            kb_k = kernel_bench_with_env(_core, var, k)
             for name, N, K in LINEAR_SHAPES:
                 for M in (1, 16):
                     nbytes = 2 * (N * K + M * K + M * N)
                     us = med(kb_k.linear(M, N, K, iters=iters_for(nbytes / bw), reps=args.reps))
                     got = nbytes / (us * 1e-6)
-                    r = {"ksplit": k, "shape": name, "M": M, "N": N, "K": K, "us": round(us, 2),
-                         "of copy BW": f"{got / bw:.0%}"}
+                    r = {key: k, "shape": name, "M": M, "N": N, "K": K, "us": round(us, 2), "of copy BW": f"{got / bw:.0%}"}
                     rows.append(r)
-                    results["linear_decode_ksplit_sweep"].append({**r, "fraction_of_copy_bw": got / bw})
+                    results[f"linear_decode_{key}_sweep"].append({**r, "fraction_of_copy_bw": got / bw})
             del kb_k
-            print(f"split-K sweep: {k} done", flush=True)
-        print("\n## Linear, decode with split-K forced (OCRIA_RT_SKINNY_KSPLIT; capped by K and the scratch)\n")
-        print(markdown_table(rows, ["ksplit", "shape", "M", "N", "K", "us", "of copy BW"]))
+            print(f"{key} sweep: {k} done", flush=True)
+        print(f"\n## Linear, decode with {title} ({var})\n")
+        print(markdown_table(rows, [key, "shape", "M", "N", "K", "us", "of copy BW"]))
 
     # ---- linear, M = 8192: CUTLASS vs cuBLAS ----
     if not args.skip_prefill and not args.skip_linear:

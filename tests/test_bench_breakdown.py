@@ -47,12 +47,14 @@ def test_engine_linears_are_every_projection_once():
         assert sum(l["N"] * l["K"] * l["count"] for l in engine_linears(c)) == linear_params(c)
 
 
-@pytest.mark.parametrize("grid,glu,work", [((160, 1, 1), "false", "attn o / gdn out"), ((160, 1, 1), "true", "mlp down"),
-                                           ((1152, 1, 1), "false", "mlp gate_up"), ((15520, 1, 1), "false", "lm_head"),
-                                           ((999, 1, 1), "false", "")])
-def test_skinny_gemm_groups_get_their_linears_bytes(grid, glu, work):
+@pytest.mark.parametrize("grid,glu,cs,work", [((160, 1, 1), "false", 1, "attn o / gdn out"),
+                                              ((640, 1, 1), "false", 4, "attn o / gdn out"),  # not attn qkv's 640 tiles
+                                              ((160, 1, 1), "true", 1, "mlp down"), ((320, 1, 1), "true", 2, "mlp down"),
+                                              ((1152, 1, 1), "false", 1, "mlp gate_up"),
+                                              ((15520, 1, 1), "false", 1, "lm_head"), ((999, 1, 1), "false", 1, "")])
+def test_skinny_gemm_groups_get_their_linears_bytes(grid, glu, cs, work):
     c = full_config(SHAPES["ocria1-4b"])
-    rows = [{"kernel": f"skinny_gemm_kernel<16, 1, 2, 3, {glu}, false, __nv_bfloat16>", "grid": list(grid)},
+    rows = [{"kernel": f"skinny_gemm_kernel<16, 1, 2, 3, {glu}, false, {cs}, __nv_bfloat16>", "grid": list(grid)},
             {"kernel": "gdn_decode_kernel<128>", "grid": [32, 1, 1]}]
     label_groups(rows, c, 1024)
     assert rows[0]["work"] == work

@@ -131,6 +131,27 @@ def test_unfused_gdn_gives_identical_results(monkeypatch):
     assert runs["0"][2] - runs["1"][2] == 2 * gdn_layers
 
 
+def test_cluster_splitk_engine(monkeypatch):
+    """Cluster split-K in every decode-path linear (OCRIA_RT_SKINNY_CLUSTER=2; the fixture's K of 64-128
+    gives every block 1-2 chunks): captured in the decode graph it gives the eager engine's tokens, and
+    its teacher-forced logits are as close to the CPU's as the default kernels' are."""
+    d = FIXTURES / "text_tied"
+    prompt = list(load_reference("text_tied")["greedy_prompt"])
+    cpu = ocria_rt.Engine(d)
+    seq = prompt + cpu.generate(prompt, max_new_tokens=64, stop_token_ids=[]).token_ids
+    want = cpu.score(seq)
+    errs = {}
+    for cluster in ("0", "2"):
+        monkeypatch.setenv("OCRIA_RT_SKINNY_CLUSTER", cluster)
+        got = ocria_rt.Engine(d, device="cuda").score(seq, chunk=1)
+        errs[cluster] = np.mean([relerr(got[t], want[t]) for t in range(len(seq))])
+    assert np.isfinite(errs["2"]) and errs["2"] <= 1.25 * errs["0"] + 5e-3, errs
+    graph = ocria_rt.Engine(d, device="cuda", cuda_graphs=True)
+    eager = ocria_rt.Engine(d, device="cuda", cuda_graphs=False)
+    a = graph.generate(prompt, max_new_tokens=64, stop_token_ids=[]).token_ids
+    assert a == eager.generate(prompt, max_new_tokens=64, stop_token_ids=[]).token_ids
+
+
 def test_generations_in_a_row_do_not_leak():
     d = FIXTURES / "text_tied"
     ref = load_reference("text_tied")

@@ -112,16 +112,18 @@ SPLITK_CASES = [
 
 
 @pytest.fixture(scope="module")
-def gpu_ksplit():
-    """CUDA runners with OCRIA_RT_SKINNY_KSPLIT = k (read when the backend is constructed), one per k."""
+def gpu_with_env():
+    """CUDA runners whose backend was constructed with one environment variable set (the skinny-GEMM
+    switches are read then), one per (variable, value)."""
     runners = {}
 
-    def get(k: int):
-        if k not in runners:
+    def get(var: str, value):
+        key = (var, str(value))
+        if key not in runners:
             with pytest.MonkeyPatch.context() as mp:
-                mp.setenv("OCRIA_RT_SKINNY_KSPLIT", str(k))
-                runners[k] = _core.OpRunner("cuda")
-        return runners[k]
+                mp.setenv(var, str(value))
+                runners[key] = _core.OpRunner("cuda")
+        return runners[key]
 
     return get
 
@@ -129,14 +131,14 @@ def gpu_ksplit():
 @pytest.mark.parametrize("out_f32", [False, True])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("M,K,N,ksplit", SPLITK_CASES)
-def test_linear_splitk(cpu, gpu_ksplit, M, K, N, ksplit, with_bias, out_f32):
+def test_linear_splitk(cpu, gpu_with_env, M, K, N, ksplit, with_bias, out_f32):
     """Forced split-K against the CPU; three calls on one backend give the same bits (the tile
     counters are back at zero after each launch, and the partials are summed in a fixed order)."""
     rng = np.random.default_rng(M * 7919 + K * 31 + N + ksplit)
     x, w = randn(rng, M, K), randn(rng, N, K, scale=K**-0.5)
     bias = randn(rng, N) if with_bias else None
     want = cpu.linear(x, w, bias)
-    gpu = gpu_ksplit(ksplit)
+    gpu = gpu_with_env("OCRIA_RT_SKINNY_KSPLIT", ksplit)
     first = gpu.linear(x, w, bias, out_f32)
     assert relerr(first, want) <= OUT_TOL
     for _ in range(2):
@@ -145,14 +147,96 @@ def test_linear_splitk(cpu, gpu_ksplit, M, K, N, ksplit, with_bias, out_f32):
 
 @pytest.mark.parametrize("T,I,N,ksplit", [(1, 9216, 2560, 4), (3, 1000, 999, 3), (9, 2632, 250, 5),
                                           (16, 9216, 2560, 4)])
-def test_linear_swiglu_splitk(cpu, gpu_ksplit, T, I, N, ksplit):
+def test_linear_swiglu_splitk(cpu, gpu_with_env, T, I, N, ksplit):
     """The fused decode MLP down projection (activation formed while loading) with split-K."""
     rng = np.random.default_rng(T + I + N + ksplit)
     gu, w = randn(rng, T, 2 * I, scale=2), randn(rng, N, I, scale=I ** -0.5)
-    gpu = gpu_ksplit(ksplit)
+    gpu = gpu_with_env("OCRIA_RT_SKINNY_KSPLIT", ksplit)
     first = gpu.linear_swiglu(gu, w)
     assert relerr(first, cpu.linear_swiglu(gu, w)) <= OUT_TOL
     np.testing.assert_array_equal(gpu.linear_swiglu(gu, w), first)
+
+
+# ---- skinny GEMM cluster split-K: K in ranges over the blocks of a cluster, block 0 sums them ----
+
+# M, K, N, blocks per cluster: OCRIA-1's o_proj / MLP down shapes, odd N, K not a multiple of 32, one
+# and two token tiles, and K = 40 (2 chunks) with 4 asked for, which runs without a cluster.
+CLUSTER_CASES = [(1, 4096, 2560, 2), (1, 4096, 2560, 4), (16, 9216, 2560, 4), (3, 1000, 999, 2), (9, 2632, 1001, 4),
+                 (8, 4104, 77, 4), (5, 40, 33, 4)]
+
+
+@pytest.mark.parametrize("out_f32", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("M,K,N,cs", CLUSTER_CASES)
+def test_linear_cluster_splitk(cpu, gpu_with_env, M, K, N, cs, with_bias, out_f32):
+    """Cluster split-K against the CPU; repeated calls give the same bits (block 0 adds the partial
+    tiles in split order)."""
+    rng = np.random.default_rng(M * 7919 + K * 31 + N + 100 * cs)
+    x, w = randn(rng, M, K), randn(rng, N, K, scale=K**-0.5)
+    bias = randn(rng, N) if with_bias else None
+    gpu = gpu_with_env("OCRIA_RT_SKINNY_CLUSTER", cs)
+    first = gpu.linear(x, w, bias, out_f32)
+    assert relerr(first, cpu.linear(x, w, bias)) <= OUT_TOL
+    for _ in range(2):
+        np.testing.assert_array_equal(gpu.linear(x, w, bias, out_f32), first)
+
+
+@pytest.mark.parametrize("T,I,N,cs", [(1, 9216, 2560, 4), (3, 1000, 999, 2), (16, 9216, 2560, 2)])
+def test_linear_swiglu_cluster_splitk(cpu, gpu_with_env, T, I, N, cs):
+    """The fused decode MLP down projection with cluster split-K."""
+    rng = np.random.default_rng(T + I + N + cs)
+    gu, w = randn(rng, T, 2 * I, scale=2), randn(rng, N, I, scale=I ** -0.5)
+    gpu = gpu_with_env("OCRIA_RT_SKINNY_CLUSTER", cs)
+    first = gpu.linear_swiglu(gu, w)
+    assert relerr(first, cpu.linear_swiglu(gu, w)) <= OUT_TOL
+    np.testing.assert_array_equal(gpu.linear_swiglu(gu, w), first)
+
+
+@pytest.mark.parametrize("M,K,N,auto_cs", [(1, 4096, 2560, "2"), (16, 9216, 2560, "2"), (1, 3584, 1024, "0"),
+                                            (1, 1024, 7168, "0")])
+def test_linear_cluster_auto(gpu_with_env, M, K, N, auto_cs):
+    """Unset (or empty), OCRIA_RT_SKINNY_CLUSTER takes 2 blocks per cluster for between one and two
+    row tiles per SM and none otherwise: bit for bit the launch of the explicit choice (F32 output:
+    the two launches sum in different orders, so a wrong choice shows). N = 2560 (160 tiles) falls
+    inside on GPUs of 81 to 160 SMs (the H200 has 132), N = 1024 (64 tiles) and 7168 (448) outside."""
+    rng = np.random.default_rng(M + K + N)
+    x, w = randn(rng, M, K), randn(rng, N, K, scale=K**-0.5)
+    auto = gpu_with_env("OCRIA_RT_SKINNY_CLUSTER", "").linear(x, w, None, True)
+    np.testing.assert_array_equal(auto, gpu_with_env("OCRIA_RT_SKINNY_CLUSTER", auto_cs).linear(x, w, None, True))
+    other = "0" if auto_cs == "2" else "2"
+    assert not np.array_equal(auto, gpu_with_env("OCRIA_RT_SKINNY_CLUSTER", other).linear(x, w, None, True))
+
+
+# ---- skinny GEMM with persistent blocks: each block streams several row tiles ----
+
+# M, K, N: more row tiles than 4 blocks per SM (the 8-warp configuration, where persistent blocks
+# apply): OCRIA-1's fused in_proj and gate_up, an odd N with a partial last tile, K not a multiple of
+# 32, and K = 40 (2 chunks for 8 warps: most warps load zeros) with N = 20000.
+PERSISTENT_CASES = [(1, 2560, 12352), (16, 2560, 18432), (3, 1000, 9001), (9, 2632, 10007), (5, 40, 20000)]
+
+
+@pytest.mark.parametrize("out_f32", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("M,K,N", PERSISTENT_CASES)
+def test_linear_persistent(cpu, gpu_with_env, M, K, N, with_bias, out_f32):
+    """Persistent blocks against the CPU and bit for bit against one block per tile (the same sums
+    in the same order, only the block that computes a tile changes)."""
+    rng = np.random.default_rng(M * 7919 + K * 31 + N)
+    x, w = randn(rng, M, K), randn(rng, N, K, scale=K**-0.5)
+    bias = randn(rng, N) if with_bias else None
+    got = gpu_with_env("OCRIA_RT_SKINNY_PERSISTENT", 1).linear(x, w, bias, out_f32)
+    assert relerr(got, cpu.linear(x, w, bias)) <= OUT_TOL
+    np.testing.assert_array_equal(got, gpu_with_env("OCRIA_RT_SKINNY_PERSISTENT", 0).linear(x, w, bias, out_f32))
+
+
+@pytest.mark.parametrize("T,I,N", [(1, 1000, 9000), (16, 2632, 10007)])
+def test_linear_swiglu_persistent(cpu, gpu_with_env, T, I, N):
+    """The fused decode MLP down projection with persistent blocks (N large enough for them)."""
+    rng = np.random.default_rng(T + I + N)
+    gu, w = randn(rng, T, 2 * I, scale=2), randn(rng, N, I, scale=I ** -0.5)
+    got = gpu_with_env("OCRIA_RT_SKINNY_PERSISTENT", 1).linear_swiglu(gu, w)
+    assert relerr(got, cpu.linear_swiglu(gu, w)) <= OUT_TOL
+    np.testing.assert_array_equal(got, gpu_with_env("OCRIA_RT_SKINNY_PERSISTENT", 0).linear_swiglu(gu, w))
 
 
 # ---- programmatic dependent launch: dependent kernels back to back ----
@@ -163,16 +247,20 @@ def test_linear_swiglu_splitk(cpu, gpu_ksplit, T, I, N, ksplit):
 CHAIN_CASES = [(1, 2560, 4608), (5, 2560, 4608), (16, 2560, 4608), (3, 1000, 1500)]
 
 
-@pytest.mark.parametrize("ksplit", ["1", "3"])
+@pytest.mark.parametrize("ksplit,cluster,persistent", [("", "", ""), ("1", "0", "0"), ("3", "0", "0"), ("1", "4", "0"),
+                                                       ("1", "0", "1")])
 @pytest.mark.parametrize("M,H,I", CHAIN_CASES)
-def test_dependent_op_chain(cpu, monkeypatch, M, H, I, ksplit):
+def test_dependent_op_chain(cpu, monkeypatch, M, H, I, ksplit, cluster, persistent):
     """add_rms_norm -> linear -> linear_swiglu three times, then add_rms_norm, enqueued without host
     synchronisation in between, so that with PDL each kernel starts while its predecessor still runs
     and buffers are rewritten while earlier kernels may still read them. Against the CPU, and bit
     for bit against the same chain with PDL off (same kernels, same arithmetic: a missing
-    pdl_wait() shows as a difference). Skinny-GEMM split-K off (the default) and forced to 3 splits
-    everywhere (back-to-back launches share the scratch)."""
+    pdl_wait() shows as a difference). The skinny GEMM's defaults (empty: its automatic choices),
+    everything off, split-K forced to 3 splits everywhere (back-to-back launches share the scratch),
+    cluster split-K over 4 blocks, and persistent blocks (gate_up's 576 tiles)."""
     monkeypatch.setenv("OCRIA_RT_SKINNY_KSPLIT", ksplit)
+    monkeypatch.setenv("OCRIA_RT_SKINNY_CLUSTER", cluster)
+    monkeypatch.setenv("OCRIA_RT_SKINNY_PERSISTENT", persistent)
     rng = np.random.default_rng(M + H + I)
     res, delta = randn(rng, M, H, scale=3), randn(rng, M, H)
     norm_w = randn(rng, H, scale=0.1)

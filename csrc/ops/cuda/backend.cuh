@@ -119,6 +119,37 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
+// ---- thread block clusters (launch_pdl_cluster) ----
+
+// The cluster barrier, split: every thread of every block of the cluster arrives, then waits for
+// all the others. Arrive has release semantics (relaxed: none), wait acquire semantics.
+__device__ __forceinline__ void cluster_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
+#endif
+}
+// Stores v at the address `local` has in the shared memory of block `rank` of this cluster
+// (distributed shared memory). That block must be running: a cluster barrier has been passed since
+// every block arrived at the kernel's start.
+__device__ __forceinline__ void store_cluster_shared(float* local, unsigned rank, float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(local));
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+  asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
+#endif
+}
+
 // ---- element helpers ----
 
 using bf16 = __nv_bfloat16;
@@ -206,6 +237,8 @@ class CudaBackend final : public Backend {
   // counters for the at most kSplitKSlots / 2 tiles of a split launch.
   static constexpr int64_t kSplitKSlots = 4096;
   static constexpr size_t kSplitKCounterBytes = size_t(kSplitKSlots / 2) * sizeof(uint32_t);
+  // The value of the skinny GEMM's launch-shape switches (below) when the environment leaves them unset.
+  static constexpr int kSkinnyAuto = -1;
   static constexpr size_t kSplitKBytes = kSplitKCounterBytes + size_t(kSplitKSlots) * 16 * 16 * sizeof(float);
 
   const char* name() const override { return "cuda"; }
@@ -278,6 +311,14 @@ class CudaBackend final : public Backend {
   bool pdl_ = true;
   bool gdn_fused_ = true;
   int skinny_ksplit_ = 0;
+  // The skinny GEMM's two launch-shape switches, read from the environment when the backend is
+  // constructed; unset or empty: kSkinnyAuto, the measured choice (linear.cu, launch_skinny).
+  // OCRIA_RT_SKINNY_CLUSTER: 2 or 4 split every tile's K over that many blocks of a thread block
+  // cluster wherever there are few row tiles and no split-K over the grid is asked for; any other
+  // number: never. OCRIA_RT_SKINNY_PERSISTENT: 1 persistent blocks for every shape of many row
+  // tiles, anything else: never.
+  int skinny_cluster_ = kSkinnyAuto;
+  int skinny_persistent_ = kSkinnyAuto;
   cudaStream_t stream_ = nullptr;
   // Op scratch, shared by all ops: kernels on the one stream only touch it after pdl_wait(), when
   // every earlier kernel has completed.

@@ -221,17 +221,6 @@ constexpr int kDecMaxCluster = 8;  // HV / HK: the portable cluster size
 static_assert(kDecThreads / 32 >= kTokChunk, "a warp per token");
 static_assert(2 * 128 + kDecMaxDv <= kDecThreads, "a conv channel per thread up to dk = 128");
 
-__device__ __forceinline__ void cluster_arrive() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.release;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void cluster_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
-#endif
-}
-
 template <int DK>
 __global__ void __launch_bounds__(kDecThreads, 1)
     gdn_decode_kernel(const bf16* __restrict__ proj, int64_t ldp, ParamView conv_w, float* __restrict__ conv_state,

@@ -2,7 +2,9 @@
 //
 // Dispatch on M (tokens):
 //  - M <= 16: skinny GEMM that streams W once (decode / speculative verify are memory bound), with
-//    an optional split-K (off unless OCRIA_RT_SKINNY_KSPLIT asks). See skinny_gemm_kernel below.
+//    an optional split-K over blocks (off unless OCRIA_RT_SKINNY_KSPLIT asks) or over the blocks of a
+//    thread block cluster (OCRIA_RT_SKINNY_CLUSTER), and persistent blocks for many row tiles
+//    (OCRIA_RT_SKINNY_PERSISTENT); see skinny_gemm_kernel and launch_skinny below.
 //  - M > 16: CUTLASS sm90 TMA/wgmma GEMM (linear_gemm_sm90.cu), bias added by a second kernel.
 //  - anything the two cannot take (K or a stride not a multiple of 8, misaligned views, F32 output
 //    for M > 16): a simple shared-memory tiled kernel.
@@ -51,13 +53,24 @@ namespace {
 // ksplit partials in split order (deterministic whichever block is last), adds the bias, stores, and
 // resets the counter to 0 for the next launch (graph replays included). Without SPLIT the kernel is
 // the one-block-per-tile kernel it always was.
+//
+// Cluster split-K (CS > 1; see skinny_cluster below): the same balance
+// for few row tiles without the scratch and the counters. The CS consecutive blocks of a cluster
+// (grid.x = tiles * CS) take the CS balanced K ranges of one tile; blocks 1 .. CS-1 store their
+// partial tile into block 0's shared memory (distributed shared memory), and after a cluster barrier
+// block 0 adds them in split order and stores. Every block arrives at a first cluster barrier when it
+// starts and waits on it before its remote stores, so block 0 is known to be running by then.
 // ---------------------------------------------------------------------------------------------
 
 template <class T> __device__ __forceinline__ void store_out(T* p, float v);
 template <> __device__ __forceinline__ void store_out<bf16>(bf16* p, float v) { *p = __float2bfloat16_rn(v); }
 template <> __device__ __forceinline__ void store_out<float>(float* p, float v) { *p = v; }
 
-template <int WARPS, int U, int S> constexpr int skinny_smem_bytes() { return S * U * 2 * WARPS * 32 * 16; }
+// Dynamic shared memory: the ring, then (cluster split-K) the partial tiles of blocks 1 .. CS-1.
+template <int WARPS, int U, int S> constexpr int skinny_ring_bytes() { return S * U * 2 * WARPS * 32 * 16; }
+template <int WARPS, int NT, int U, int S, int CS> constexpr int skinny_smem_bytes() {
+  return skinny_ring_bytes<WARPS, U, S>() + (CS - 1) * 16 * 8 * NT * int(sizeof(float));
+}
 // The K range [0, kpre) of the stages issued before pdl_wait().
 template <int WARPS, int U, int S> constexpr int skinny_prologue_k() { return (S - 1) * U * WARPS * 32; }
 
@@ -84,16 +97,24 @@ struct SplitKScratch {
 
 // Requirements (checked by the caller): K % 8 == 0, ldx % 8 == 0, ldw % 8 == 0, x and w 16-byte
 // aligned, 1 <= M <= 8 * NT; pf_bytes a multiple of 16 with kpre + pf_bytes / 2 no larger than a
-// block's K range (or 0). Dynamic shared memory: skinny_smem_bytes<WARPS, U, S>().
+// block's K range (or 0). Dynamic shared memory: skinny_smem_bytes<WARPS, NT, U, S, CS>().
 // GLU: x is a fused [gate | up] row and the GEMM input is silu(gate) * up, formed while loading
 // (up starts glu_off elements after gate), so the MLP's activation needs no kernel of its own.
 // SPLIT: gridDim.y splits of K (at most one per chunk), scratch for gridDim.x tiles x gridDim.y splits.
-template <int WARPS, int NT, int U, int S, bool GLU, bool SPLIT, class OutT>
+// CS > 1: launched in clusters of CS blocks along x, gridDim.x = tiles * CS, at most one split per chunk.
+// PERSIST: gridDim.x <= tiles blocks, block b taking tiles b, b + gridDim.x, ...; its stages run on
+// from one tile into the next (stage g is step g % iters of its (g / iters)-th tile, iters the same
+// for every warp), so the ring keeps the next tile's weights in flight while a tile's sums are
+// reduced and stored (only without SPLIT and CS).
+template <int WARPS, int NT, int U, int S, bool GLU, bool SPLIT, int CS, bool PERSIST, class OutT>
 __global__ void __launch_bounds__(WARPS * 32)
     skinny_gemm_kernel(const bf16* __restrict__ x, int64_t ldx, int64_t glu_off, int M, const bf16* __restrict__ w,
                        int64_t ldw, int N, int K, uint32_t pf_bytes, ParamView bias, bool has_bias,
                        OutT* __restrict__ out, int64_t ldo, SplitKScratch scratch) {
+  static_assert(!(SPLIT && CS > 1), "split-K over the grid or over a cluster, not both");
+  static_assert(!(PERSIST && (SPLIT || CS > 1)), "persistent blocks take whole tiles");
   pdl_launch_dependents();
+  if constexpr (CS > 1) cluster_arrive_relaxed();  // "this block runs"; waited on before the remote stores
   constexpr int NTH = WARPS * 32;
   // The ring follows the static `red` (a multiple of 128 bytes) and must stay 128-byte aligned:
   // add no other static shared variable here.
@@ -102,7 +123,8 @@ __global__ void __launch_bounds__(WARPS * 32)
   static_assert(sizeof(red) % 128 == 0, "the dynamic ring after `red` must stay 128-byte aligned");
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int n0 = blockIdx.x * 16;
+  const int tiles = (N + 15) / 16;
+  const int n0 = int(blockIdx.x) / CS * 16;  // the (first) row tile (CS = 1: one block per tile)
   const bool row_ok0 = n0 + g < N, row_ok1 = n0 + g + 8 < N;
   const bf16* w0 = w + int64_t(row_ok0 ? n0 + g : 0) * ldw + 8 * t;
   const bf16* w1 = w + int64_t(row_ok1 ? n0 + g + 8 : 0) * ldw + 8 * t;
@@ -120,39 +142,89 @@ __global__ void __launch_bounds__(WARPS * 32)
   if constexpr (SPLIT) {
     c_lo = int(int64_t(nchunks) * blockIdx.y / gridDim.y);
     c_hi = int(int64_t(nchunks) * (blockIdx.y + 1) / gridDim.y);
+  } else if constexpr (CS > 1) {
+    const int split = int(blockIdx.x) % CS;  // the block's rank in its cluster
+    c_lo = nchunks * split / CS;
+    c_hi = nchunks * (split + 1) / CS;
   }
   const int span = c_hi - c_lo;
-  const int my_chunks = warp < span ? (span - warp + WARPS - 1) / WARPS : 0;
+  // Steps per tile: this warp's chunks / U, or with PERSIST the most any warp has (block-uniform, so
+  // that the whole block reaches each tile's end together; chunks past c_hi load and add zeros).
+  const int my_chunks = PERSIST ? (span + WARPS - 1) / WARPS
+                                : (warp < span ? (span - warp + WARPS - 1) / WARPS : 0);
   const int iters = (my_chunks + U - 1) / U;
+  const int my_tiles = PERSIST ? (tiles - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x) : 1;
+  const int stages = my_tiles * iters;
   // K % 8 == 0: a thread's 16-byte piece of a chunk is all in range or all out.
   auto piece_in = [&](int c) { return c < c_hi && c * 32 + 8 * t < K; };
-  auto issue = [&](int it) {  // stage `it` of this thread into ring slot it % S
-    uint4* slot = wring + (it % S) * U * 2 * NTH + tid;
+  auto issue = [&](int st) {  // stage `st` of this thread into ring slot st % S
+    uint4* slot = wring + (st % S) * U * 2 * NTH + tid;
+    int it = st;
+    const bf16 *r0 = w0, *r1 = w1;
+    bool ok0 = row_ok0, ok1 = row_ok1;
+    if constexpr (PERSIST) {  // step it of tile ti
+      const int ti = st / iters, m0 = (int(blockIdx.x) + ti * int(gridDim.x)) * 16;
+      it = st - ti * iters;
+      ok0 = st < stages && m0 + g < N;
+      ok1 = st < stages && m0 + g + 8 < N;
+      r0 = w + int64_t(ok0 ? m0 + g : 0) * ldw + 8 * t;
+      r1 = w + int64_t(ok1 ? m0 + g + 8 : 0) * ldw + 8 * t;
+    }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = c_lo + warp + WARPS * (it * U + u);
-      const bool in = it < iters && piece_in(c);
+      const bool in = st < stages && piece_in(c);
       const int k = in ? c * 32 : 0;
-      cp_async16(slot + (2 * u) * NTH, w0 + k, in && row_ok0 ? 16 : 0);
-      cp_async16(slot + (2 * u + 1) * NTH, w1 + k, in && row_ok1 ? 16 : 0);
+      cp_async16(slot + (2 * u) * NTH, r0 + k, in && ok0 ? 16 : 0);
+      cp_async16(slot + (2 * u + 1) * NTH, r1 + k, in && ok1 ? 16 : 0);
     }
     cp_async_commit();  // always commit (possibly empty) so that group counting stays uniform
   };
 
   float acc[NT][4];
+  auto clear_acc = [&] {
 #pragma unroll
-  for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+  };
+  // The block's sums of one tile: accumulator fragments (c0, c1 = row g, tokens 2t, 2t+1; c2, c3 =
+  // row g + 8, same tokens) through `red`, summed over the warps by thread (row, tok) = (tid % 16,
+  // tid / 16); `owner`: this thread holds an output element of the tile at rows tile_n0 + row.
+  constexpr int kTileElems = 16 * 8 * NT;
+  const int row = tid & 15, tok = tid >> 4;
+  auto block_sum = [&](int tile_n0, bool& owner) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      red[warp][g][8 * j + 2 * t] = acc[j][0];
+      red[warp][g][8 * j + 2 * t + 1] = acc[j][1];
+      red[warp][g + 8][8 * j + 2 * t] = acc[j][2];
+      red[warp][g + 8][8 * j + 2 * t + 1] = acc[j][3];
+    }
+    __syncthreads();
+    owner = tid < kTileElems && tile_n0 + row < N && tok < M;
+    float sum = 0.0f;
+    if (owner) {
+#pragma unroll
+      for (int i = 0; i < WARPS; ++i) sum += red[i][row][tok];
+    }
+    return sum;
+  };
+  auto store = [&](int n, float sum) {
+    if (has_bias) sum += bias[n];
+    store_out(out + int64_t(tok) * ldo + n, sum);
+  };
 
+  clear_acc();
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) issue(s);
   if (tid < 16 && pf_bytes > 0 && n0 + tid < N)
     prefetch_l2(w + int64_t(n0 + tid) * ldw + c_lo * 32 + skinny_prologue_k<WARPS, U, S>(), pf_bytes);
   pdl_wait();  // earlier kernels have completed: x may be read, out written
   const uint4 zero = make_uint4(0, 0, 0, 0);
-  for (int it = 0; it < iters; ++it) {
-    cp_async_wait<S - 2>();  // stage `it` has landed
-    issue(it + S - 1);       // refills the slot read in the previous iteration
-    const uint4* slot = wring + (it % S) * U * 2 * NTH + tid;
+  for (int st = 0; st < stages; ++st) {
+    cp_async_wait<S - 2>();  // stage `st` has landed
+    issue(st + S - 1);       // refills the slot read in the previous iteration
+    const uint4* slot = wring + (st % S) * U * 2 * NTH + tid;
+    const int it = PERSIST ? st % iters : st;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = c_lo + warp + WARPS * (it * U + u);
@@ -169,26 +241,35 @@ __global__ void __launch_bounds__(WARPS * 32)
         mma_16816(acc[j], wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);  // k = 8t + {4,5 | 6,7}
       }
     }
+    if constexpr (PERSIST) {
+      if (it == iters - 1 && st + 1 < stages) {  // a tile done, another to come: store it meanwhile
+        const int tile_n0 = (int(blockIdx.x) + st / iters * int(gridDim.x)) * 16;
+        bool owner;
+        const float sum = block_sum(tile_n0, owner);
+        if (owner) store(tile_n0 + row, sum);
+        __syncthreads();  // `red` is read before the next tile writes it
+        clear_acc();
+      }
+    }
   }
   cp_async_wait<0>();
 
-  // Accumulator fragment: c0, c1 = (row g, tokens 2t, 2t+1), c2, c3 = (row g + 8, same tokens).
-#pragma unroll
-  for (int j = 0; j < NT; ++j) {
-    red[warp][g][8 * j + 2 * t] = acc[j][0];
-    red[warp][g][8 * j + 2 * t + 1] = acc[j][1];
-    red[warp][g + 8][8 * j + 2 * t] = acc[j][2];
-    red[warp][g + 8][8 * j + 2 * t + 1] = acc[j][3];
-  }
-  __syncthreads();
-  constexpr int kTileElems = 16 * 8 * NT;
-  const int row = tid & 15, tok = tid >> 4;
-  const int n = n0 + row;
-  const bool owner = tid < kTileElems && n < N && tok < M;  // this thread's output element
-  float sum = 0.0f;
-  if (owner) {
-#pragma unroll
-    for (int i = 0; i < WARPS; ++i) sum += red[i][row][tok];
+  // The last (or only) tile.
+  const int last_n0 = PERSIST ? (int(blockIdx.x) + (my_tiles - 1) * int(gridDim.x)) * 16 : n0;
+  const int n = last_n0 + row;
+  bool owner;
+  float sum = block_sum(last_n0, owner);
+  if constexpr (CS > 1) {
+    float* parts = reinterpret_cast<float*>(wring + S * U * 2 * NTH);  // block 0's: [CS - 1][kTileElems]
+    const int split = int(blockIdx.x) % CS;
+    cluster_wait();  // every block of the cluster has started
+    if (split != 0 && tid < kTileElems) store_cluster_shared(parts + (split - 1) * kTileElems + tid, 0, sum);
+    cluster_arrive();
+    cluster_wait();  // the partial tiles are in block 0's shared memory
+    if (split != 0) return;
+    if (owner) {
+      for (int s = 0; s < CS - 1; ++s) sum += parts[s * kTileElems + tid];
+    }
   }
   if constexpr (SPLIT) {
     const int splits = gridDim.y;
@@ -211,10 +292,7 @@ __global__ void __launch_bounds__(WARPS * 32)
       sum = total;
     }
   }
-  if (owner) {
-    if (has_bias) sum += bias[n];
-    store_out(out + int64_t(tok) * ldo + n, sum);
-  }
+  if (owner) store(n, sum);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -277,25 +355,38 @@ __global__ void add_bias_kernel(bf16* __restrict__ out, int64_t ldo, int M, int 
 // the 50 MB L2 so that the prefetched lines are still there when the blocks reach them.
 constexpr int64_t kL2PrefetchBudget = int64_t(16) << 20;
 
-template <int WARPS, int NT, int U, int S, bool GLU, bool SPLIT, class OutT>
+// sm_count: only for PERSIST, whose grid is the blocks that fit on the device at once (at most one per tile).
+template <int WARPS, int NT, int U, int S, bool GLU, bool SPLIT, int CS = 1, bool PERSIST = false, class OutT>
 void launch_skinny_cfg(const bf16* x, int64_t ldx, int64_t glu_off, int M, const bf16* w, int64_t ldw, int N, int K,
                        ParamView bias, bool has_bias, OutT* out, int64_t ldo, int ksplit, SplitKScratch scratch,
-                       const LaunchCtx& ctx) {
-  constexpr int smem = skinny_smem_bytes<WARPS, U, S>();
-  auto kernel = skinny_gemm_kernel<WARPS, NT, U, S, GLU, SPLIT, OutT>;
+                       const LaunchCtx& ctx, int sm_count = 0) {
+  constexpr int smem = skinny_smem_bytes<WARPS, NT, U, S, CS>();
+  auto kernel = skinny_gemm_kernel<WARPS, NT, U, S, GLU, SPLIT, CS, PERSIST, OutT>;
   // Once per instantiation (thread-safe static initialisation); allowed during graph capture.
   static const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   check_cuda(attr, "cudaFuncSetAttribute (skinny_gemm_kernel)");
+  unsigned blocks = unsigned((N + 15) / 16 * CS);
+  if constexpr (PERSIST) {
+    static const int per_sm = [&] {
+      int n = 0;
+      check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, WARPS * 32, smem),
+                 "cudaOccupancyMaxActiveBlocksPerMultiprocessor (skinny_gemm_kernel)");
+      return std::max(n, 1);
+    }();
+    blocks = std::min(blocks, unsigned(per_sm * sm_count));
+  }
   // L2 prefetch per row: the rest of the block's K range after the prologue (the shortest range of
   // a split, less one chunk for the last one's ragged end), within the budget; whole 128-byte
   // lines; none when it would be too little to matter (many rows).
   constexpr int kpre = skinny_prologue_k<WARPS, U, S>();
-  const int64_t kspan = SPLIT ? int64_t((K + 31) / 32 / ksplit - 1) * 32 : K;
+  const int splits = ksplit * CS;
+  const int64_t kspan = splits > 1 ? int64_t((K + 31) / 32 / splits - 1) * 32 : K;
   const int64_t rest = kspan > kpre ? (kspan - kpre) * int64_t(sizeof(bf16)) : 0;
-  int64_t pf = std::min(rest, kL2PrefetchBudget / (int64_t(N) * ksplit)) & ~int64_t(127);
+  int64_t pf = std::min(rest, kL2PrefetchBudget / (int64_t(N) * splits)) & ~int64_t(127);
   if (pf < 1024) pf = 0;
-  launch_pdl(ctx, "skinny_gemm_kernel", kernel, dim3((N + 15) / 16, ksplit), WARPS * 32, smem, x, ldx, glu_off, M, w,
-             ldw, N, K, uint32_t(pf), bias, has_bias, out, ldo, scratch);
+  launch_pdl_cluster(ctx, "skinny_gemm_kernel", CS > 1 ? unsigned(CS) : 0u, kernel, dim3(blocks, unsigned(ksplit)),
+                     WARPS * 32, smem, x, ldx, glu_off, M, w, ldw, N, K, uint32_t(pf), bias, has_bias, out, ldo,
+                     scratch);
 }
 
 // The carving of CudaBackend::splitk_scratch_.
@@ -313,16 +404,64 @@ int skinny_ksplit(int tiles, int nchunks, int mode) {
   return int(std::max<int64_t>(ksplit, 1));
 }
 
+// Cluster split-K, the blocks of a cluster per tile (1: none): `mode` is the backend's
+// OCRIA_RT_SKINNY_CLUSTER (2 or 4 ask for it, another number never), used for few row tiles (`wide`,
+// below) when no split-K over the grid is asked for and every block gets at least one 32-wide chunk.
+// Auto: 2 for between one and two tiles per SM, where one block per tile leaves some SMs with twice
+// the bytes of the others (N = 2560: 160 tiles on 132 SMs; H200, bench/results: MLP down 17.0 ->
+// 15.8 us at M = 1, 27.0 -> 20.4 at M = 16). Everywhere it measured slower in decode (Qwen3.5-0.8B,
+// whose wide shapes have 64 or 320-514 tiles: 990 -> 917 tokens/s), and so did 4 blocks.
+int skinny_cluster(bool wide, int tiles, int sm_count, int ksplit, int nchunks, int mode) {
+  const bool uneven = tiles >= sm_count && tiles < 2 * sm_count;
+  const int cs = mode == CudaBackend::kSkinnyAuto ? (uneven ? 2 : 1) : mode;
+  return wide && ksplit == 1 && (cs == 2 || cs == 4) && nchunks >= cs ? cs : 1;
+}
+
+// Persistent blocks for the shapes of many row tiles: `mode` is the backend's
+// OCRIA_RT_SKINNY_PERSISTENT (1: always, another number: never). Auto: up to 16 tiles per SM, where
+// they measured faster (H200, M = 1: in_proj 18.8 -> 17.3 us, qkv 17.2 -> 15.1, gate_up 25.1 -> 24.0)
+// but not for the LM head's 15520 tiles (286 -> 295 us).
+bool skinny_persistent(int tiles, int sm_count, int mode) {
+  return mode == CudaBackend::kSkinnyAuto ? tiles <= 16 * sm_count : mode == 1;
+}
+
 template <bool GLU, class OutT>
 void launch_skinny(const bf16* x, int64_t ldx, int64_t glu_off, int M, const bf16* w, int64_t ldw, int N, int K,
                    ParamView bias, bool has_bias, OutT* out, int64_t ldo, int sm_count, int ksplit_mode,
-                   SplitKScratch scratch, const LaunchCtx& ctx) {
+                   int cluster_mode, int persistent_mode, SplitKScratch scratch, const LaunchCtx& ctx) {
   const int tiles = (N + 15) / 16;
   const int ksplit = skinny_ksplit(tiles, (K + 31) / 32, ksplit_mode);
   // Few blocks (N = 2560 without split-K: 160 tiles on 132 SMs) cannot keep enough bytes in flight
   // with 8 warps per block: give each block 16 warps then. Ring sizes: 64 KiB (8 warps, 3 blocks
   // per SM) and 96 KiB (16 warps, 2 blocks per SM); 192 resp. 128 bytes in flight per thread.
   const bool wide = int64_t(tiles) * ksplit < 4 * sm_count;
+  const int cs = skinny_cluster(wide, tiles, sm_count, ksplit, (K + 31) / 32, cluster_mode);
+  if (cs > 1) {  // tiles * cs blocks: the 8-warp configuration (3 blocks per SM; 2 for M > 8 with 4 per
+                 // cluster, whose partial tiles take the shared memory a third block would need)
+    auto run_cs = [&](auto cs_const) {
+      constexpr int CS = decltype(cs_const)::value;
+      if (M <= 8)
+        launch_skinny_cfg<8, 1, 2, 4, GLU, false, CS>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, 1,
+                                                      scratch, ctx);
+      else
+        launch_skinny_cfg<8, 2, 2, 4, GLU, false, CS>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, 1,
+                                                      scratch, ctx);
+    };
+    if (cs == 2) run_cs(std::integral_constant<int, 2>{});
+    else run_cs(std::integral_constant<int, 4>{});
+    return;
+  }
+  // Persistent blocks, for many tiles (the 8-warp configuration, no split-K): as many blocks as fit
+  // at once, each streaming its tiles one after the other.
+  if (ksplit == 1 && !wide && skinny_persistent(tiles, sm_count, persistent_mode)) {
+    if (M <= 8)
+      launch_skinny_cfg<8, 1, 2, 4, GLU, false, 1, true>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, 1,
+                                                         scratch, ctx, sm_count);
+    else
+      launch_skinny_cfg<8, 2, 2, 4, GLU, false, 1, true>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, 1,
+                                                         scratch, ctx, sm_count);
+    return;
+  }
   auto run = [&](auto split) {
     constexpr bool SPLIT = decltype(split)::value;
     if (M <= 8) {
@@ -389,10 +528,10 @@ void CudaBackend::linear(const Tensor& x, const LinearWeight& lw, const Tensor& 
     const SplitKScratch scratch = splitk_scratch(splitk_scratch_);
     if (out_bf16)
       launch_skinny<false>(xp, ldx, 0, int(M), wp, ldw, int(N), int(K), bias, has_bias, out.ptr<bf16>(), ldo, sm_count_,
-                           skinny_ksplit_, scratch, launch_ctx());
+                           skinny_ksplit_, skinny_cluster_, skinny_persistent_, scratch, launch_ctx());
     else
       launch_skinny<false>(xp, ldx, 0, int(M), wp, ldw, int(N), int(K), bias, has_bias, out.ptr<float>(), ldo,
-                           sm_count_, skinny_ksplit_, scratch, launch_ctx());
+                           sm_count_, skinny_ksplit_, skinny_cluster_, skinny_persistent_, scratch, launch_ctx());
     return;
   }
   if (M > 16 && out_bf16 && K > 0 &&
@@ -432,7 +571,7 @@ void CudaBackend::linear_swiglu(const Tensor& gate_up, const LinearWeight& lw, c
   activate();
   launch_skinny<true>(xp, gate_up.row_stride, I, int(M), wp, lw.weight.row_stride, int(lw.weight.dim(0)), int(I),
                       ParamView{}, false, out.ptr<bf16>(), out.row_stride, sm_count_, skinny_ksplit_,
-                      splitk_scratch(splitk_scratch_), launch_ctx());
+                      skinny_cluster_, skinny_persistent_, splitk_scratch(splitk_scratch_), launch_ctx());
 }
 
 }  // namespace ocria_rt
