@@ -63,7 +63,7 @@ def test_shipped_model_matches_transformers(engine):
 
 def test_parse_of_the_sample_is_close_to_its_markdown(engine):
     """A smoke test of the shipped model: it reads the shipped sample (a broken or random model scores
-    a character error rate near 1; this one measured 0.057 when it was exported)."""
+    a character error rate near 1; this one measured 0.066 when it was exported)."""
     truth = json.loads(ocria_rt.sample_document().with_suffix(".json").read_text())["markdown"]
     doc = parse(ocria_rt.sample_document(), engine=engine, progress=False)
     assert doc.ok and len(doc.pages) == len(truth)
