@@ -409,7 +409,7 @@ int skinny_ksplit(int tiles, int nchunks, int mode) {
 // below) when no split-K over the grid is asked for and every block gets at least one 32-wide chunk.
 // Auto: 2 for between one and two tiles per SM, where one block per tile leaves some SMs with twice
 // the bytes of the others (N = 2560: 160 tiles on 132 SMs; H200, bench/results: MLP down 17.0 ->
-// 15.8 us at M = 1, 27.0 -> 20.4 at M = 16). Everywhere it measured slower in decode (Qwen3.5-0.8B,
+// 15.8 us at M = 1, 27.0 -> 20.4 at M = 16). Elsewhere it measured slower in decode (Qwen3.5-0.8B,
 // whose wide shapes have 64 or 320-514 tiles: 990 -> 917 tokens/s), and so did 4 blocks.
 int skinny_cluster(bool wide, int tiles, int sm_count, int ksplit, int nchunks, int mode) {
   const bool uneven = tiles >= sm_count && tiles < 2 * sm_count;
