@@ -237,9 +237,9 @@ class CudaBackend final : public Backend {
   // counters for the at most kSplitKSlots / 2 tiles of a split launch.
   static constexpr int64_t kSplitKSlots = 4096;
   static constexpr size_t kSplitKCounterBytes = size_t(kSplitKSlots / 2) * sizeof(uint32_t);
+  static constexpr size_t kSplitKBytes = kSplitKCounterBytes + size_t(kSplitKSlots) * 16 * 16 * sizeof(float);
   // The value of the skinny GEMM's launch-shape switches (below) when the environment leaves them unset.
   static constexpr int kSkinnyAuto = -1;
-  static constexpr size_t kSplitKBytes = kSplitKCounterBytes + size_t(kSplitKSlots) * 16 * 16 * sizeof(float);
 
   const char* name() const override { return "cuda"; }
   DeviceKind device() const override { return DeviceKind::CUDA; }
