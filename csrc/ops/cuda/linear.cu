@@ -356,10 +356,10 @@ __global__ void add_bias_kernel(bf16* __restrict__ out, int64_t ldo, int M, int 
 constexpr int64_t kL2PrefetchBudget = int64_t(16) << 20;
 
 // sm_count: only for PERSIST, whose grid is the blocks that fit on the device at once (at most one per tile).
-template <int WARPS, int NT, int U, int S, bool GLU, bool SPLIT, int CS = 1, bool PERSIST = false, class OutT>
+template <int WARPS, int NT, int U, int S, bool GLU, bool SPLIT, int CS, bool PERSIST, class OutT>
 void launch_skinny_cfg(const bf16* x, int64_t ldx, int64_t glu_off, int M, const bf16* w, int64_t ldw, int N, int K,
                        ParamView bias, bool has_bias, OutT* out, int64_t ldo, int ksplit, SplitKScratch scratch,
-                       const LaunchCtx& ctx, int sm_count = 0) {
+                       const LaunchCtx& ctx, int sm_count) {
   constexpr int smem = skinny_smem_bytes<WARPS, NT, U, S, CS>();
   auto kernel = skinny_gemm_kernel<WARPS, NT, U, S, GLU, SPLIT, CS, PERSIST, OutT>;
   // Once per instantiation (thread-safe static initialisation); allowed during graph capture.
@@ -436,52 +436,35 @@ void launch_skinny(const bf16* x, int64_t ldx, int64_t glu_off, int M, const bf1
   // per SM) and 96 KiB (16 warps, 2 blocks per SM); 192 resp. 128 bytes in flight per thread.
   const bool wide = int64_t(tiles) * ksplit < 4 * sm_count;
   const int cs = skinny_cluster(wide, tiles, sm_count, ksplit, (K + 31) / 32, cluster_mode);
-  if (cs > 1) {  // tiles * cs blocks: the 8-warp configuration (3 blocks per SM; 2 for M > 8 with 4 per
-                 // cluster, whose partial tiles take the shared memory a third block would need)
-    auto run_cs = [&](auto cs_const) {
-      constexpr int CS = decltype(cs_const)::value;
-      if (M <= 8)
-        launch_skinny_cfg<8, 1, 2, 4, GLU, false, CS>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, 1,
-                                                      scratch, ctx);
-      else
-        launch_skinny_cfg<8, 2, 2, 4, GLU, false, CS>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, 1,
-                                                      scratch, ctx);
-    };
-    if (cs == 2) run_cs(std::integral_constant<int, 2>{});
-    else run_cs(std::integral_constant<int, 4>{});
-    return;
-  }
+  // One launch of WARPS warps per block (ring of S stages) with one or two 8-token tiles by M.
+  auto launch = [&](auto warps, auto split, auto cs_const, auto persist) {
+    constexpr int WARPS = decltype(warps)::value, S = WARPS == 16 ? 3 : 4, CS = decltype(cs_const)::value;
+    constexpr bool SPLIT = decltype(split)::value, PERSIST = decltype(persist)::value;
+    if (M <= 8)
+      launch_skinny_cfg<WARPS, 1, 2, S, GLU, SPLIT, CS, PERSIST>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out,
+                                                                 ldo, ksplit, scratch, ctx, sm_count);
+    else
+      launch_skinny_cfg<WARPS, 2, 2, S, GLU, SPLIT, CS, PERSIST>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out,
+                                                                 ldo, ksplit, scratch, ctx, sm_count);
+  };
+  using std::false_type, std::true_type;
+  using Eight = std::integral_constant<int, 8>;
+  using Sixteen = std::integral_constant<int, 16>;
+  using One = std::integral_constant<int, 1>;
+  // Cluster split-K: tiles * cs blocks of the 8-warp configuration (3 blocks per SM; 2 for M > 8
+  // with 4 per cluster, whose partial tiles take the shared memory a third block would need).
+  if (cs == 2) return launch(Eight{}, false_type{}, std::integral_constant<int, 2>{}, false_type{});
+  if (cs == 4) return launch(Eight{}, false_type{}, std::integral_constant<int, 4>{}, false_type{});
   // Persistent blocks, for many tiles (the 8-warp configuration, no split-K): as many blocks as fit
   // at once, each streaming its tiles one after the other.
-  if (ksplit == 1 && !wide && skinny_persistent(tiles, sm_count, persistent_mode)) {
-    if (M <= 8)
-      launch_skinny_cfg<8, 1, 2, 4, GLU, false, 1, true>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, 1,
-                                                         scratch, ctx, sm_count);
-    else
-      launch_skinny_cfg<8, 2, 2, 4, GLU, false, 1, true>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, 1,
-                                                         scratch, ctx, sm_count);
-    return;
+  if (ksplit == 1 && !wide && skinny_persistent(tiles, sm_count, persistent_mode))
+    return launch(Eight{}, false_type{}, One{}, true_type{});
+  if (wide) {
+    if (ksplit > 1) return launch(Sixteen{}, true_type{}, One{}, false_type{});
+    return launch(Sixteen{}, false_type{}, One{}, false_type{});
   }
-  auto run = [&](auto split) {
-    constexpr bool SPLIT = decltype(split)::value;
-    if (M <= 8) {
-      if (wide)
-        launch_skinny_cfg<16, 1, 2, 3, GLU, SPLIT>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, ksplit,
-                                                   scratch, ctx);
-      else
-        launch_skinny_cfg<8, 1, 2, 4, GLU, SPLIT>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, ksplit,
-                                                  scratch, ctx);
-    } else {
-      if (wide)
-        launch_skinny_cfg<16, 2, 2, 3, GLU, SPLIT>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, ksplit,
-                                                   scratch, ctx);
-      else
-        launch_skinny_cfg<8, 2, 2, 4, GLU, SPLIT>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, ksplit,
-                                                  scratch, ctx);
-    }
-  };
-  if (ksplit > 1) run(std::true_type{});
-  else run(std::false_type{});
+  if (ksplit > 1) return launch(Eight{}, true_type{}, One{}, false_type{});
+  launch(Eight{}, false_type{}, One{}, false_type{});
 }
 
 template <class OutT>
