@@ -15,6 +15,7 @@ bytes each must move (see decode_breakdown), for PDL on and (unless --no-pdl-off
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -92,18 +93,31 @@ def kernel_time_by_group(events: list[dict]) -> tuple[dict, float]:
     return groups, idle
 
 
+def linears_by_calls(candidates: list[dict], calls: float | None) -> list[dict]:
+    """The one subset of `candidates` whose calls per step (their layer counts) add up to `calls`;
+    none when no subset or several do."""
+    fits = [sub for n in range(1, len(candidates) + 1) for sub in itertools.combinations(candidates, n)
+            if calls is not None and sum(l["count"] for l in sub) == round(calls)]
+    return list(fits[0]) if len(fits) == 1 else []
+
+
 def label_groups(rows: list[dict], c: dict, context: int) -> None:
     """Names each group's work and the bytes it must move per step (weights of the linears a skinny
-    GEMM's grid matches, the KV cache for attention, the DeltaNet states for their decode kernel)."""
+    GEMM's grid matches, or for persistent launches its calls per step; the KV cache for attention,
+    the DeltaNet states for their decode kernel)."""
     need = bytes_per_decode_step(c, context)
     linears = engine_linears(c)
     for r in rows:
         name, grid = r["kernel"], r["grid"]
         r["work"], r["bytes_per_step"] = "", None
         if name.startswith("skinny_gemm_kernel<") and grid:
-            targs = [a.strip() for a in name.split("<", 1)[1].split(",")]  # WARPS, NT, U, S, GLU, SPLIT, CS, OutT
-            glu, blocks_per_tile = targs[4] == "true", int(targs[6])
-            hits = [l for l in linears if (l["N"] + 15) // 16 == grid[0] // blocks_per_tile and l["glu"] == glu]
+            targs = [a.strip() for a in name.split("<", 1)[1].split(",")]  # WARPS, NT, U, S, GLU, SPLIT, CS, PERSIST, OutT
+            glu, blocks_per_tile, persistent = targs[4] == "true", int(targs[6]), targs[7] == "true"
+            same_kind = [l for l in linears if l["glu"] == glu]
+            if persistent:  # the grid is the blocks that fit at once, not the tiles
+                hits = linears_by_calls([l for l in same_kind if (l["N"] + 15) // 16 >= grid[0]], r.get("calls_per_step"))
+            else:
+                hits = [l for l in same_kind if (l["N"] + 15) // 16 == grid[0] // blocks_per_tile]
             if hits:
                 r["work"] = " / ".join(l["name"] for l in hits)
                 r["bytes_per_step"] = float(sum(2 * l["N"] * l["K"] * l["count"] for l in hits))

@@ -54,7 +54,7 @@ def test_engine_linears_are_every_projection_once():
                                               ((15520, 1, 1), "false", 1, "lm_head"), ((999, 1, 1), "false", 1, "")])
 def test_skinny_gemm_groups_get_their_linears_bytes(grid, glu, cs, work):
     c = full_config(SHAPES["ocria1-4b"])
-    rows = [{"kernel": f"skinny_gemm_kernel<16, 1, 2, 3, {glu}, false, {cs}, __nv_bfloat16>", "grid": list(grid)},
+    rows = [{"kernel": f"skinny_gemm_kernel<16, 1, 2, 3, {glu}, false, {cs}, false, __nv_bfloat16>", "grid": list(grid)},
             {"kernel": "gdn_decode_kernel<128>", "grid": [32, 1, 1]}]
     label_groups(rows, c, 1024)
     assert rows[0]["work"] == work
@@ -62,3 +62,20 @@ def test_skinny_gemm_groups_get_their_linears_bytes(grid, glu, cs, work):
             "mlp gate_up": 2 * 18432 * 2560 * 32, "lm_head": 2 * 248320 * 2560, "": None}[work]
     assert rows[0]["bytes_per_step"] == want
     assert rows[1]["work"].startswith("DeltaNet") and rows[1]["bytes_per_step"] > 0
+
+
+@pytest.mark.parametrize("calls,work", [(64, {"gdn in_proj", "attn qkv", "mlp gate_up"}),
+                                        (65, {"gdn in_proj", "attn qkv", "mlp gate_up", "lm_head"}),
+                                        (32, set()),   # gate_up alone or in_proj + qkv: ambiguous
+                                        (50, set())])  # no subset
+def test_persistent_skinny_gemm_groups_are_found_by_their_calls(calls, work):
+    """Persistent launches share one grid (the blocks that fit at once): the group is the one set of
+    linears of at least that many tiles whose layer counts add up to its calls per step."""
+    c = full_config(SHAPES["ocria1-4b"])
+    rows = [{"kernel": "skinny_gemm_kernel<8, 1, 2, 4, false, false, 1, true, __nv_bfloat16>", "grid": [396, 1, 1],
+             "calls_per_step": calls}]
+    label_groups(rows, c, 1024)
+    assert set(filter(None, rows[0]["work"].split(" / "))) == work
+    sizes = {"gdn in_proj": 2 * 12352 * 2560 * 24, "attn qkv": 2 * 10240 * 2560 * 8, "mlp gate_up": 2 * 18432 * 2560 * 32,
+             "lm_head": 2 * 248320 * 2560}
+    assert rows[0]["bytes_per_step"] == (sum(sizes[w] for w in work) if work else None)
