@@ -71,7 +71,12 @@ def test_embedding(cpu, gpu):
         np.testing.assert_array_equal(gpu.embedding(table, ids), cpu.embedding(table, ids))
 
 
-@pytest.mark.parametrize("R,D", [(1, 2560), (5, 37), (33, 256), (3, 4096), (100, 1024)])
+# Rows beyond what a block holds in registers (2 packs per thread, 512 threads) run on in a loop:
+# (2, 9000) and (1, 20000) in 8-element packs, (1, 20001) and (3, 1500) element by element.
+NORM_SHAPES = [(1, 2560), (5, 37), (33, 256), (3, 4096), (100, 1024), (2, 9000), (1, 20000), (1, 20001), (3, 1500)]
+
+
+@pytest.mark.parametrize("R,D", NORM_SHAPES)
 def test_norms(cpu, gpu, R, D):
     rng = np.random.default_rng(R + D)
     x, d, w = randn(rng, R, D, scale=3), randn(rng, R, D), randn(rng, D, scale=0.1)

@@ -51,6 +51,11 @@ __device__ __forceinline__ int mrope_axis(int j, const MropeSection& m) {
   return 0;
 }
 
+constexpr int kPrepMaxPer = 256 / 32;  // head_dim <= 256: elements per lane
+
+// What does not depend on earlier kernels (the norm weights, the RoPE frequencies and their M-RoPE
+// axes) is formed before pdl_wait(): in decode the weights have long left L2, and pow() in double
+// is slow, so both would otherwise sit on the critical path.
 template <class T>
 __global__ void __launch_bounds__(kPrepWarps * 32)
     attention_prepare_kernel(const T* __restrict__ qkv, int64_t ldqkv, ParamView q_norm, ParamView k_norm,
@@ -63,40 +68,57 @@ __global__ void __launch_bounds__(kPrepWarps * 32)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t item = int64_t(blockIdx.x) * kPrepWarps + warp;
   const int heads = Hq + Hkv;
-  pdl_wait();  // qkv and the positions come from earlier kernels
-  if (item >= int64_t(n_tokens) * heads) return;
   const int t = int(item / heads), slot = int(item % heads);
   const bool is_q = slot < Hq;
   const int head = is_q ? slot : slot - Hq;
-  const T* src = qkv + int64_t(t) * ldqkv + (is_q ? int64_t(head) * 2 * hd : int64_t(Hq) * 2 * hd + int64_t(head) * hd);
   const ParamView& w = is_q ? q_norm : k_norm;
+  const int half = rot / 2;
+  // Element i = lane + 32 j: 1 + its norm weight; for i < rot, the frequency of its rotation pair
+  // f = i mod rot/2, theta^(-2f/rot), formed in fp32 as transformers does (correctly rounded,
+  // whatever --use_fast_math does to powf / division), and which rope position it follows.
+  float w1[kPrepMaxPer], inv_freq[kPrepMaxPer];
+  int axis[kPrepMaxPer];
+#pragma unroll
+  for (int j = 0; j < kPrepMaxPer; ++j) {
+    const int i = lane + 32 * j, f = i < half ? i : i - half;
+    w1[j] = i < hd ? 1.0f + w[i] : 0.0f;
+    inv_freq[j] = i < rot ? __fdiv_rn(1.0f, float(pow(double(theta), double(__fdiv_rn(float(2 * f), float(rot))))))
+                          : 0.0f;
+    axis[j] = mrope_axis(f, mrope);
+  }
+  pdl_wait();  // qkv and the positions come from earlier kernels
+  if (item >= int64_t(n_tokens) * heads) return;
+  const T* src = qkv + int64_t(t) * ldqkv + (is_q ? int64_t(head) * 2 * hd : int64_t(Hq) * 2 * hd + int64_t(head) * hd);
   const int pos = positions[t];                               // cache row
   const int32_t* rpos = rope_positions + int64_t(t) * ldrp;  // (t, h, w) rope positions
 
   // Zero-centred RMSNorm over the head: x * rsqrt(mean(x^2) + eps) * (1 + w).
+  float xv[kPrepMaxPer];
   float ss = 0.0f;
-  for (int i = lane; i < hd; i += 32) {
-    const float v = to_float(src[i]);
-    ss = fmaf(v, v, ss);
+#pragma unroll
+  for (int j = 0; j < kPrepMaxPer; ++j) {
+    const int i = lane + 32 * j;
+    xv[j] = i < hd ? to_float(src[i]) : 0.0f;
+    ss = fmaf(xv[j], xv[j], ss);
   }
   const float inv = rsqrtf(warp_sum(ss) / float(hd) + eps);
   float* x = buf[warp];
-  for (int i = lane; i < hd; i += 32) x[i] = to_float(src[i]) * inv * (1.0f + w[i]);
+#pragma unroll
+  for (int j = 0; j < kPrepMaxPer; ++j)
+    if (lane + 32 * j < hd) x[lane + 32 * j] = xv[j] * inv * w1[j];
   __syncwarp();
 
-  // Rotate-half RoPE on the first `rot` dims: pair (f, f + rot/2) turns by p * theta^(-2f/rot), with p
-  // the t, h or w rope position of frequency f (interleaved M-RoPE; all equal for text tokens).
-  // inv_freq and the angle are formed in fp32 as transformers does (correctly rounded, whatever
-  // --use_fast_math does to powf / division), cos / sin evaluated in double.
+  // Rotate-half RoPE on the first `rot` dims: pair (f, f + rot/2) turns by p * inv_freq[f], with p the
+  // t, h or w rope position of frequency f (interleaved M-RoPE; all equal for text tokens). The angle
+  // is formed in fp32 as transformers does, cos / sin evaluated in double.
   T* dst = is_q ? q_out + int64_t(t) * ldqo + int64_t(head) * hd : k_cache + int64_t(pos) * ldc + int64_t(head) * hd;
-  const int half = rot / 2;
-  for (int i = lane; i < hd; i += 32) {
+#pragma unroll
+  for (int j = 0; j < kPrepMaxPer; ++j) {
+    const int i = lane + 32 * j;
+    if (i >= hd) break;
     float y = x[i];
     if (i < rot) {
-      const int f = i < half ? i : i - half;
-      const float expo = __fdiv_rn(float(2 * f), float(rot));
-      const float inv_freq = __fdiv_rn(1.0f, float(pow(double(theta), double(expo))));
-      const float angle = __fmul_rn(float(rpos[mrope_axis(f, mrope)]), inv_freq);
+      const float angle = __fmul_rn(float(rpos[axis[j]]), inv_freq[j]);
       double s, c;
       sincos(double(angle), &s, &c);
       const float cf = float(c), sf = float(s);

@@ -119,6 +119,15 @@ __device__ __forceinline__ float gated_norm_out(float o, float inv, float w, flo
 
 // ---- gdn_recurrent ----
 
+// L2 prefetch, before pdl_wait(), of the R rows of S a warp holds (32 columns from `first`, rows dv
+// apart), one line per lane: S was last written by the same layer in the previous step, so its DRAM
+// reads may start while the kernels before this one run.
+template <int R>
+__device__ __forceinline__ void prefetch_state_rows(const float* first, int dv, bool cols_ok, int lane) {
+  if (cols_ok)
+    for (int r = lane; r < R; r += 32) prefetch_l2_line(first + int64_t(r) * dv);
+}
+
 template <int DK, class T>
 __global__ void __launch_bounds__(kWarps * 32)
     gdn_recurrent_kernel(const T* __restrict__ qkv, int64_t ldq, const T* __restrict__ ba, int64_t ldb, ParamView A_log,
@@ -138,6 +147,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int hk = h / (HV / HK);
   const int64_t q_off = int64_t(hk) * DK, k_off = int64_t(HK + hk) * DK, v_off = int64_t(2 * HK) * DK + int64_t(h) * dv;
   const float neg_A = -__expf(A_log[h]), dtb = dt_bias[h];
+  prefetch_state_rows<R>(state + int64_t(h) * DK * dv + int64_t(warp * R) * dv + blockIdx.y * 32, dv,
+                         blockIdx.y * 32 < dv, lane);
   pdl_wait();  // A_log and dt_bias are read-only; the state and the inputs come from earlier kernels
 
   float* Sp = state + int64_t(h) * DK * dv + int64_t(warp * R) * dv + col;
@@ -251,6 +262,8 @@ __global__ void __launch_bounds__(kDecThreads, 1)
   float nw[kPer];
 #pragma unroll
   for (int m = 0; m < kPer; ++m) nw[m] = lane + 32 * m < dv ? norm_w[lane + 32 * m] : 0.0f;
+  prefetch_state_rows<R>(state + int64_t(h) * DK * dv + int64_t(rw * R) * dv + 32 * cg, dv, 32 * cg < dv, lane);
+  if (has_ch) prefetch_l2_line(conv_state + ch * (K - 1));
   pdl_wait();  // the weights, A_log, dt_bias are read-only; the rest comes from earlier kernels
 
   float* Sp = state + int64_t(h) * DK * dv + int64_t(rw * R) * dv + col;

@@ -29,6 +29,11 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 __device__ __forceinline__ void prefetch_l2(const void* gmem, uint32_t bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(gmem), "r"(bytes) : "memory");
 }
+// Brings the 128-byte line holding `gmem` into L2 (a hint). L2 is the point of coherence of global
+// memory, so a line prefetched before pdl_wait() can only make a later read faster, never stale.
+__device__ __forceinline__ void prefetch_l2_line(const void* gmem) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(gmem) : "memory");
+}
 
 // c += A(16x16, row) · B(16x8, col), BF16 inputs, fp32 accumulators.
 __device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,

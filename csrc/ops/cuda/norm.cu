@@ -12,47 +12,81 @@ template <class T> __device__ __forceinline__ T* row_ptr(T* base, int64_t r, int
   return base + (r / inner) * outer_stride + (r % inner) * cols;
 }
 
+// Row packs a thread keeps in registers between the two passes, with their (1 + w): rows of up to
+// kNormHeld * 512 * V elements (all of the text decoder's) are read once; longer rows run on in a loop
+// that reads x and w again.
+constexpr int kNormHeld = 2;
+constexpr int kNormMaxThreads = 512;
+
 // ADD: residual += delta first (rounded to T and stored), then the norm of the stored residual.
+// The weights are read-only and, in decode, long evicted from L2 by the weight stream: their loads
+// are issued before pdl_wait() so that their latency overlaps the kernels before this one.
 template <class T, int V, bool ADD>
-__global__ void rms_norm_kernel(T* __restrict__ x, RowView xv, const T* __restrict__ delta, RowView dv,
-                                T* __restrict__ out, RowView ov, ParamView w, float eps) {
+__global__ void __launch_bounds__(kNormMaxThreads)
+    rms_norm_kernel(T* __restrict__ x, RowView xv, const T* __restrict__ delta, RowView dv, T* __restrict__ out,
+                    RowView ov, ParamView w, float eps) {
   __shared__ float red[32];
   pdl_launch_dependents();
   const int64_t r = blockIdx.x;
-  const int D = int(xv.cols);
+  const int D = int(xv.cols), step = blockDim.x * V, c0 = threadIdx.x * V;
   T* xr = row_ptr(x, r, xv.inner, xv.outer_stride, xv.cols);
   T* orow = row_ptr(out, r, ov.inner, ov.outer_stride, ov.cols);
+  const T* drow = ADD ? row_ptr(delta, r, dv.inner, dv.outer_stride, dv.cols) : nullptr;
+  float w1[kNormHeld][V];  // 1 + w of the held packs
+#pragma unroll
+  for (int j = 0; j < kNormHeld; ++j)
+#pragma unroll
+    for (int e = 0; e < V; ++e) w1[j][e] = c0 + j * step < D ? 1.0f + w[c0 + j * step + e] : 0.0f;
   pdl_wait();  // x and delta come from earlier kernels
-  float ss = 0.0f;
-  for (int c = threadIdx.x * V; c < D; c += blockDim.x * V) {
+
+  // Pass 1: (residual add and) sum of squares.
+  auto load_row = [&](int c) {
     Pack<T, V> a = load_pack<T, V>(xr + c);
     if constexpr (ADD) {
-      const T* drow = row_ptr(delta, r, dv.inner, dv.outer_stride, dv.cols);
       const Pack<T, V> d = load_pack<T, V>(drow + c);
 #pragma unroll
       for (int e = 0; e < V; ++e) a.v[e] = from_float<T>(to_float(a.v[e]) + to_float(d.v[e]));
       store_pack(xr + c, a);
     }
+    return a;
+  };
+  float ss = 0.0f;
+  auto add_squares = [&](const Pack<T, V>& a) {
 #pragma unroll
-    for (int e = 0; e < V; ++e) {
-      const float f = to_float(a.v[e]);
-      ss = fmaf(f, f, ss);
+    for (int e = 0; e < V; ++e) ss = fmaf(to_float(a.v[e]), to_float(a.v[e]), ss);
+  };
+  Pack<T, V> held[kNormHeld];
+#pragma unroll
+  for (int j = 0; j < kNormHeld; ++j)
+    if (c0 + j * step < D) {
+      held[j] = load_row(c0 + j * step);
+      add_squares(held[j]);
     }
-  }
+  for (int c = c0 + kNormHeld * step; c < D; c += step) add_squares(load_row(c));
   ss = block_sum(ss, red);
   const float inv = rsqrtf(ss / float(D) + eps);
-  for (int c = threadIdx.x * V; c < D; c += blockDim.x * V) {
-    const Pack<T, V> a = load_pack<T, V>(xr + c);  // this thread's own (possibly just written) values
+
+  // Pass 2: out = x * inv * (1 + w).
+  auto store_norm = [&](int c, const Pack<T, V>& a, const float (&w1c)[V]) {
     Pack<T, V> o;
 #pragma unroll
-    for (int e = 0; e < V; ++e) o.v[e] = from_float<T>(to_float(a.v[e]) * inv * (1.0f + w[c + e]));
+    for (int e = 0; e < V; ++e) o.v[e] = from_float<T>(to_float(a.v[e]) * inv * w1c[e]);
     store_pack(orow + c, o);
+  };
+#pragma unroll
+  for (int j = 0; j < kNormHeld; ++j)
+    if (c0 + j * step < D) store_norm(c0 + j * step, held[j], w1[j]);
+  for (int c = c0 + kNormHeld * step; c < D; c += step) {
+    float w1c[V];
+#pragma unroll
+    for (int e = 0; e < V; ++e) w1c[e] = 1.0f + w[c + e];
+    store_norm(c, load_pack<T, V>(xr + c), w1c);  // this thread's own (possibly just written) values
   }
 }
 
 int block_for(int64_t cols, int V) {
   int64_t threads = (cols / V + 31) / 32 * 32;
-  return int(threads < 32 ? 32 : threads > 512 ? 512 : threads);
+  return int(threads < 32 ? 32 : threads > kNormMaxThreads ? kNormMaxThreads : threads);
 }
 
 template <class T, bool ADD>
