@@ -182,6 +182,34 @@ template <int N> __device__ __forceinline__ float warp_sum_transposed(float (&v)
   return total;
 }
 
+constexpr int kAttnPrefetchRows = 64;  // rows of a split prefetched into L2 before pdl_wait()
+
+// A value an earlier kernel may still be writing, read before pdl_wait(): only ever a hint.
+__device__ __forceinline__ int load_hint(const int32_t* p) {
+  int v;
+  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+// L2 prefetch of the first rows of this block's split of the K and V caches, before pdl_wait(): in
+// decode the cache has long left L2 (each step streams the weights through it), and the split's rows
+// are known but for the length, which an earlier kernel of the step writes. A length read too early
+// prefetches other rows of the cache (clamped to its capacity), which costs bandwidth, not correctness.
+template <int HD>
+__device__ __forceinline__ void prefetch_split_rows(const bf16* k_cache, const bf16* v_cache, int64_t ldc,
+                                                    const int32_t* position, int capacity, int nsplit, int split,
+                                                    int kvh) {
+  constexpr int kLineElems = 64, kLines = HD > kLineElems ? HD / kLineElems : 1;  // 128-byte lines per row
+  const int len = min(max(load_hint(position) + 1, 1), capacity);
+  const int chunk = split_chunk(len, nsplit), start = split * chunk;
+  const int rows = min(min(len - start, chunk), kAttnPrefetchRows);
+  for (int i = threadIdx.x; i < rows * 2 * kLines; i += blockDim.x) {
+    const int row = start + i / (2 * kLines), line = i % (2 * kLines);
+    const bf16* base = line < kLines ? k_cache : v_cache;
+    prefetch_l2_line(base + int64_t(row) * ldc + int64_t(kvh) * HD + (line % kLines) * kLineElems);
+  }
+}
+
 // E: head_dim / 32 elements per lane; GM: the largest GQA group the instantiation handles.
 template <int E, int GM>
 __global__ void __launch_bounds__(kAttnWarps * 32)
@@ -189,13 +217,14 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
                      const bf16* __restrict__ v_cache, int64_t ldc, const bf16* __restrict__ qkv, int64_t ldqkv,
                      const int32_t* __restrict__ positions, float* __restrict__ part_acc,
                      float2* __restrict__ part_ml, bf16* __restrict__ out, int64_t ldo, int Hq, int G, int nsplit,
-                     float scale_log2) {
+                     int capacity, float scale_log2) {
   constexpr int HD = 32 * E, R = attn_rows_per_group<E, GM>();
   __shared__ float m_s[kAttnWarps][GM], l_s[kAttnWarps][GM];
   __shared__ float acc_s[kAttnWarps][GM][HD];
   pdl_launch_dependents();
   const int split = blockIdx.x, kvh = blockIdx.y, t = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  prefetch_split_rows<HD>(k_cache, v_cache, ldc, positions + t, capacity, nsplit, split, kvh);
   pdl_wait();  // q, the caches and the positions come from earlier kernels
   const int len = positions[t] + 1;
   const int chunk = split_chunk(len, nsplit);
@@ -429,7 +458,7 @@ template <int E, int GM> void launch_attention_decode(const DecodeArgs& a, const
   const dim3 grid{unsigned(nsplit), unsigned(a.Hkv), unsigned(a.T)};
   launch_pdl(ctx, "attention_kernel", attention_kernel<E, GM>, grid, kAttnWarps * 32, 0, a.q, a.ldq, a.k_cache,
              a.v_cache, a.ldc, a.qkv, a.ldqkv, a.positions, part_acc, part_ml, a.out, a.ldo, a.Hq, a.G, int(nsplit),
-             a.scale_log2);
+             int(std::min<int64_t>(a.capacity, INT_MAX)), a.scale_log2);
   if (nsplit > 1) {
     const int slices = a.hd / std::min(a.hd, kCombineCols);
     launch_pdl(ctx, "attention_combine_kernel", attention_combine_kernel, dim3(unsigned(a.Hq * slices), unsigned(a.T)),
