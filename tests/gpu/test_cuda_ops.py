@@ -193,13 +193,14 @@ def test_linear_swiglu_split(cpu, gpu_with_env, var, T, I, N, splits):
     np.testing.assert_array_equal(gpu.linear_swiglu(gu, w), first)
 
 
-@pytest.mark.parametrize("M,K,N,auto_cs", [(1, 4096, 2560, "2"), (16, 9216, 2560, "2"), (1, 3584, 1024, "0"),
-                                            (1, 1024, 7168, "0")])
+@pytest.mark.parametrize("M,K,N,auto_cs", [(1, 4096, 2560, "2"), (16, 9216, 2560, "2"), (1, 3584, 1024, "2"),
+                                            (1, 1024, 7168, "0"), (1, 2048, 1600, "0")])
 def test_linear_cluster_auto(gpu_with_env, M, K, N, auto_cs):
     """Unset (or empty), OCRIA_RT_SKINNY_CLUSTER takes 2 blocks per cluster for between one and two
-    row tiles per SM and none otherwise: bit for bit the launch of the explicit choice (F32 output:
-    the two launches sum in different orders, so a wrong choice shows). N = 2560 (160 tiles) falls
-    inside on GPUs of 81 to 160 SMs (the H200 has 132), N = 1024 (64 tiles) and 7168 (448) outside."""
+    row tiles per SM or at most half a tile per SM, and none otherwise: bit for bit the launch of the
+    explicit choice (F32 output: the two launches sum in different orders, so a wrong choice shows).
+    On the H200's 132 SMs N = 2560 (160 tiles) and N = 1024 (64) take clusters; N = 7168 (448 tiles)
+    and N = 1600 (100: between half a tile and one tile per SM) do not."""
     rng = np.random.default_rng(M + K + N)
     x, w = randn(rng, M, K), randn(rng, N, K, scale=K**-0.5)
     auto = gpu_with_env("OCRIA_RT_SKINNY_CLUSTER", "").linear(x, w, None, True)

@@ -409,11 +409,12 @@ int skinny_ksplit(int tiles, int nchunks, int mode) {
 // below) when no split-K over the grid is asked for and every block gets at least one 32-wide chunk.
 // Auto: 2 for between one and two tiles per SM, where one block per tile leaves some SMs with twice
 // the bytes of the others (N = 2560: 160 tiles on 132 SMs; H200, bench/results: MLP down 17.0 ->
-// 15.8 us at M = 1, 27.0 -> 20.4 at M = 16). Elsewhere it measured slower in decode (Qwen3.5-0.8B,
-// whose wide shapes have 64 or 320-514 tiles: 990 -> 917 tokens/s), and so did 4 blocks.
+// 15.8 us at M = 1, 27.0 -> 20.4 at M = 16), and for at most half a tile per SM, where one block per
+// tile leaves SMs idle (N = 1024: 64 tiles). Between one and two blocks per SM (Qwen3.5-0.8B's 320-514
+// tiles) it measured slower in decode (990 -> 917 tokens/s), and so did 4 blocks.
 int skinny_cluster(bool wide, int tiles, int sm_count, int ksplit, int nchunks, int mode) {
-  const bool uneven = tiles >= sm_count && tiles < 2 * sm_count;
-  const int cs = mode == CudaBackend::kSkinnyAuto ? (uneven ? 2 : 1) : mode;
+  const bool uneven = tiles >= sm_count && tiles < 2 * sm_count, few = 2 * tiles <= sm_count;
+  const int cs = mode == CudaBackend::kSkinnyAuto ? (uneven || few ? 2 : 1) : mode;
   return wide && ksplit == 1 && (cs == 2 || cs == 4) && nchunks >= cs ? cs : 1;
 }
 
