@@ -112,11 +112,10 @@ def label_groups(rows: list[dict], c: dict, context: int) -> None:
         r["work"], r["bytes_per_step"] = "", None
         if name.startswith("skinny_gemm_kernel<") and grid:
             targs = [a.strip() for a in name.split("<", 1)[1].split(",")]  # WARPS, NT, U, S, GLU, SPLIT, CS, PERSIST, OutT
-            glu, split, blocks_per_tile, persistent = targs[4] == "true", targs[5] == "true", int(targs[6]), targs[7] == "true"
+            glu, blocks_per_tile, persistent = targs[4] == "true", int(targs[6]), targs[7] == "true"
             same_kind = [l for l in linears if l["glu"] == glu]
-            if persistent:  # the grid is the blocks that fit at once, not the tiles (stream-K: at least the tiles)
-                fits = (lambda tiles: tiles <= grid[0]) if split else (lambda tiles: tiles >= grid[0])
-                hits = linears_by_calls([l for l in same_kind if fits((l["N"] + 15) // 16)], r.get("calls_per_step"))
+            if persistent:  # the grid is the blocks that fit at once, not the tiles
+                hits = linears_by_calls([l for l in same_kind if (l["N"] + 15) // 16 >= grid[0]], r.get("calls_per_step"))
             else:
                 hits = [l for l in same_kind if (l["N"] + 15) // 16 == grid[0] // blocks_per_tile]
             if hits:

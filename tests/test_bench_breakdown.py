@@ -79,17 +79,3 @@ def test_persistent_skinny_gemm_groups_are_found_by_their_calls(calls, work):
     sizes = {"gdn in_proj": 2 * 12352 * 2560 * 24, "attn qkv": 2 * 10240 * 2560 * 8, "mlp gate_up": 2 * 18432 * 2560 * 32,
              "lm_head": 2 * 248320 * 2560}
     assert rows[0]["bytes_per_step"] == (sum(sizes[w] for w in work) if work else None)
-
-
-@pytest.mark.parametrize("glu,calls,work", [("false", 32, {"attn o", "gdn out"}), ("true", 32, {"mlp down"}),
-                                            ("false", 8, {"attn o"})])
-def test_streamk_skinny_gemm_groups_are_found_by_their_calls(glu, calls, work):
-    """Stream-K launches (SPLIT and PERSIST) have at least one block per tile: the group is the set of
-    linears of at most the grid's tiles whose layer counts add up to its calls per step."""
-    c = full_config(SHAPES["ocria1-4b"])
-    rows = [{"kernel": f"skinny_gemm_kernel<8, 1, 2, 4, {glu}, true, 1, true, __nv_bfloat16>", "grid": [396, 1, 1],
-             "calls_per_step": calls}]
-    label_groups(rows, c, 1024)
-    assert set(filter(None, rows[0]["work"].split(" / "))) == work
-    sizes = {"attn o": 2 * 2560 * 4096 * 8, "gdn out": 2 * 2560 * 4096 * 24, "mlp down": 2 * 2560 * 9216 * 32}
-    assert rows[0]["bytes_per_step"] == sum(sizes[w] for w in work)

@@ -241,44 +241,6 @@ def test_linear_swiglu_persistent(cpu, gpu_with_env, T, I, N):
     np.testing.assert_array_equal(got, gpu_with_env("OCRIA_RT_SKINNY_PERSISTENT", 0).linear_swiglu(gu, w))
 
 
-# ---- skinny GEMM, stream-K: resident blocks each take an equal share of the (tile, K chunk) units ----
-
-# M, K, N: the 4B's o_proj and MLP down shapes (160 tiles), an odd N with a partial last tile (157),
-# K not a multiple of 32, few tiles with many blocks per tile (16 tiles), and K = 40 (2 chunks per
-# tile: fewer units than resident blocks, one block per unit).
-STREAMK_CASES = [(1, 4096, 2560), (16, 9216, 2560), (3, 4104, 2500), (9, 2632, 256), (5, 40, 1000)]
-
-
-@pytest.mark.parametrize("out_f32", [False, True])
-@pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("M,K,N", STREAMK_CASES)
-def test_linear_streamk(cpu, gpu_with_env, M, K, N, with_bias, out_f32):
-    """OCRIA_RT_SKINNY_STREAMK=1 against the CPU; three calls give the same bits (the tile counters
-    are back at zero after each launch, the partials summed in block order); F32 outputs differ from
-    one block per tile (another summation order: the stream-K launch did run)."""
-    rng = np.random.default_rng(M * 7919 + K * 31 + N + 5)
-    x, w = randn(rng, M, K), randn(rng, N, K, scale=K**-0.5)
-    bias = randn(rng, N) if with_bias else None
-    runner = gpu_with_env("OCRIA_RT_SKINNY_STREAMK", 1)
-    got = runner.linear(x, w, bias, out_f32)
-    assert relerr(got, cpu.linear(x, w, bias)) <= OUT_TOL
-    for _ in range(2):
-        np.testing.assert_array_equal(runner.linear(x, w, bias, out_f32), got)
-    if out_f32 and K > 64:
-        assert not np.array_equal(got, gpu_with_env("OCRIA_RT_SKINNY_CLUSTER", 0).linear(x, w, bias, True))
-
-
-@pytest.mark.parametrize("T,I,N", [(1, 9216, 2560), (16, 9216, 2560), (7, 1000, 1000)])
-def test_linear_swiglu_streamk(cpu, gpu_with_env, T, I, N):
-    """The fused decode MLP down projection with stream-K."""
-    rng = np.random.default_rng(T + I + N + 5)
-    gu, w = randn(rng, T, 2 * I, scale=2), randn(rng, N, I, scale=I ** -0.5)
-    runner = gpu_with_env("OCRIA_RT_SKINNY_STREAMK", 1)
-    got = runner.linear_swiglu(gu, w)
-    assert relerr(got, cpu.linear_swiglu(gu, w)) <= OUT_TOL
-    np.testing.assert_array_equal(runner.linear_swiglu(gu, w), got)
-
-
 # ---- programmatic dependent launch: dependent kernels back to back ----
 
 # (M, H, I): H = 2560 with I = 4608 takes both skinny-GEMM configurations without split-K (gate_up

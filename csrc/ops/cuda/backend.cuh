@@ -316,11 +316,9 @@ class CudaBackend final : public Backend {
   // OCRIA_RT_SKINNY_CLUSTER: 2 or 4 split every tile's K over that many blocks of a thread block
   // cluster wherever there are few row tiles and no split-K over the grid is asked for; any other
   // number: never. OCRIA_RT_SKINNY_PERSISTENT: 1 persistent blocks for every shape of many row
-  // tiles, anything else: never. OCRIA_RT_SKINNY_STREAMK: 1 stream-K (resident blocks each taking an
-  // equal share of every tile's K chunks) for up to two row tiles per SM; unset or anything else: off.
+  // tiles, anything else: never.
   int skinny_cluster_ = kSkinnyAuto;
   int skinny_persistent_ = kSkinnyAuto;
-  int skinny_streamk_ = 0;
   cudaStream_t stream_ = nullptr;
   // Op scratch, shared by all ops: kernels on the one stream only touch it after pdl_wait(), when
   // every earlier kernel has completed.

@@ -105,21 +105,14 @@ struct SplitKScratch {
 // PERSIST: gridDim.x <= tiles blocks, block b taking tiles b, b + gridDim.x, ...; its stages run on
 // from one tile into the next (stage g is step g % iters of its (g / iters)-th tile, iters the same
 // for every warp), so the ring keeps the next tile's weights in flight while a tile's sums are
-// reduced and stored (only without CS).
-// PERSIST and SPLIT: stream-K. The tiles x nchunks (tile, 32-wide chunk) units, tile-major, are cut
-// into gridDim.x equal contiguous ranges, one per block (gridDim.x >= tiles, so a range touches at
-// most two tiles: segment A, the rest of its first tile, and segment B, the start of the next). Every
-// SM then streams the same bytes whatever the tile count. A tile covered by one block is stored
-// directly; otherwise each of its blocks writes its partial tile to scratch slot 2 b + segment and
-// counts itself in on the tile's counter, and the last sums the partials in block order.
+// reduced and stored (only without SPLIT and CS).
 template <int WARPS, int NT, int U, int S, bool GLU, bool SPLIT, int CS, bool PERSIST, class OutT>
 __global__ void __launch_bounds__(WARPS * 32)
     skinny_gemm_kernel(const bf16* __restrict__ x, int64_t ldx, int64_t glu_off, int M, const bf16* __restrict__ w,
                        int64_t ldw, int N, int K, uint32_t pf_bytes, ParamView bias, bool has_bias,
                        OutT* __restrict__ out, int64_t ldo, SplitKScratch scratch) {
   static_assert(!(SPLIT && CS > 1), "split-K over the grid or over a cluster, not both");
-  static_assert(!(PERSIST && CS > 1), "persistent blocks take whole tiles or stream-K ranges, not clusters");
-  constexpr bool STREAM = PERSIST && SPLIT;
+  static_assert(!(PERSIST && (SPLIT || CS > 1)), "persistent blocks take whole tiles");
   pdl_launch_dependents();
   if constexpr (CS > 1) cluster_arrive_relaxed();  // "this block runs"; waited on before the remote stores
   constexpr int NTH = WARPS * 32;
@@ -131,23 +124,7 @@ __global__ void __launch_bounds__(WARPS * 32)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int tiles = (N + 15) / 16;
-  const int nchunks = (K + 31) >> 5;
-  // Stream-K: this block's units [lo, hi) of the `units` in all; segment A of tile tile_a is chunks
-  // [a_lo, a_hi), segment B (if any) chunks [0, b_hi) of tile_a + 1. block_of(u): the block holding
-  // unit u, the largest b with units * b / gridDim.x <= u.
-  const int64_t units = int64_t(tiles) * nchunks;
-  auto unit_bound = [&](int b) { return units * b / int(gridDim.x); };
-  auto block_of = [&](int64_t u) { return int(((u + 1) * int(gridDim.x) + units - 1) / units - 1); };
-  int tile_a = 0, a_lo = 0, a_hi = 0, b_hi = 0;
-  if constexpr (STREAM) {
-    const int64_t lo = unit_bound(int(blockIdx.x)), hi = unit_bound(int(blockIdx.x) + 1);
-    tile_a = int(lo / nchunks);
-    a_lo = int(lo - int64_t(tile_a) * nchunks);
-    a_hi = int(std::min<int64_t>(hi - int64_t(tile_a) * nchunks, nchunks));
-    b_hi = int(std::max<int64_t>(hi - int64_t(tile_a + 1) * nchunks, 0));
-  }
-  // The (first) row tile (CS = 1: one block per tile).
-  const int n0 = STREAM ? tile_a * 16 : int(blockIdx.x) / CS * 16;
+  const int n0 = int(blockIdx.x) / CS * 16;  // the (first) row tile (CS = 1: one block per tile)
   const bool row_ok0 = n0 + g < N, row_ok1 = n0 + g + 8 < N;
   const bf16* w0 = w + int64_t(row_ok0 ? n0 + g : 0) * ldw + 8 * t;
   const bf16* w1 = w + int64_t(row_ok1 ? n0 + g + 8 : 0) * ldw + 8 * t;
@@ -160,11 +137,9 @@ __global__ void __launch_bounds__(WARPS * 32)
   }
 
   // 32-wide K chunks [c_lo, c_hi) of this block; warp w takes c_lo + w, c_lo + w + WARPS, ...
+  const int nchunks = (K + 31) >> 5;
   int c_lo = 0, c_hi = nchunks;
-  if constexpr (STREAM) {
-    c_lo = a_lo;
-    c_hi = a_hi;
-  } else if constexpr (SPLIT) {
+  if constexpr (SPLIT) {
     c_lo = int(int64_t(nchunks) * blockIdx.y / gridDim.y);
     c_hi = int(int64_t(nchunks) * (blockIdx.y + 1) / gridDim.y);
   } else if constexpr (CS > 1) {
@@ -175,35 +150,19 @@ __global__ void __launch_bounds__(WARPS * 32)
   const int span = c_hi - c_lo;
   // Steps per tile: this warp's chunks / U, or with PERSIST the most any warp has (block-uniform, so
   // that the whole block reaches each tile's end together; chunks past c_hi load and add zeros).
-  // (Stream-K: iters and iters_b, the block-uniform steps of segments A and B.) K % 8 == 0: a
-  // thread's 16-byte piece of a chunk is all in range or all out.
   const int my_chunks = PERSIST ? (span + WARPS - 1) / WARPS
                                 : (warp < span ? (span - warp + WARPS - 1) / WARPS : 0);
   const int iters = (my_chunks + U - 1) / U;
-  const int iters_b = STREAM ? (b_hi + WARPS * U - 1) / (WARPS * U) : 0;
-  const int my_tiles = STREAM ? 1 + (iters_b > 0)
-                       : PERSIST ? (tiles - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x) : 1;
-  const int stages = STREAM ? iters + iters_b : my_tiles * iters;
-  // Stream-K: stage st is step `it` of segment A (st < iters) or of segment B, chunks [lo, hi).
-  struct Seg {
-    int it, lo, hi, n0;
-  };
-  auto seg_of = [&](int st) {
-    return st < iters ? Seg{st, a_lo, a_hi, n0} : Seg{st - iters, 0, b_hi, n0 + 16};
-  };
+  const int my_tiles = PERSIST ? (tiles - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x) : 1;
+  const int stages = my_tiles * iters;
+  // K % 8 == 0: a thread's 16-byte piece of a chunk is all in range or all out.
+  auto piece_in = [&](int c) { return c < c_hi && c * 32 + 8 * t < K; };
   auto issue = [&](int st) {  // stage `st` of this thread into ring slot st % S
     uint4* slot = wring + (st % S) * U * 2 * NTH + tid;
-    int it = st, lo = c_lo, hi = c_hi;
+    int it = st;
     const bf16 *r0 = w0, *r1 = w1;
     bool ok0 = row_ok0, ok1 = row_ok1;
-    if constexpr (STREAM) {
-      const Seg sg = seg_of(st);
-      it = sg.it, lo = sg.lo, hi = sg.hi;
-      ok0 = st < stages && sg.n0 + g < N;
-      ok1 = st < stages && sg.n0 + g + 8 < N;
-      r0 = w + int64_t(ok0 ? sg.n0 + g : 0) * ldw + 8 * t;
-      r1 = w + int64_t(ok1 ? sg.n0 + g + 8 : 0) * ldw + 8 * t;
-    } else if constexpr (PERSIST) {  // step it of tile ti
+    if constexpr (PERSIST) {  // step it of tile ti
       const int ti = st / iters, m0 = (int(blockIdx.x) + ti * int(gridDim.x)) * 16;
       it = st - ti * iters;
       ok0 = st < stages && m0 + g < N;
@@ -213,8 +172,8 @@ __global__ void __launch_bounds__(WARPS * 32)
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int c = lo + warp + WARPS * (it * U + u);
-      const bool in = st < stages && c < hi && c * 32 + 8 * t < K;
+      const int c = c_lo + warp + WARPS * (it * U + u);
+      const bool in = st < stages && piece_in(c);
       const int k = in ? c * 32 : 0;
       cp_async16(slot + (2 * u) * NTH, r0 + k, in && ok0 ? 16 : 0);
       cp_async16(slot + (2 * u + 1) * NTH, r1 + k, in && ok1 ? 16 : 0);
@@ -253,61 +212,23 @@ __global__ void __launch_bounds__(WARPS * 32)
     if (has_bias) sum += bias[n];
     store_out(out + int64_t(tok) * ldo + n, sum);
   };
-  // Stream-K: this block's sums of tile ti (its segment seg) into the output, through the scratch
-  // where other blocks cover part of the tile. Block-uniform (contains __syncthreads).
-  auto stream_finish = [&](int ti, int seg, float sum, bool owner) {
-    const int first = block_of(int64_t(ti) * nchunks), last = block_of(int64_t(ti + 1) * nchunks - 1);
-    if (first == last) {
-      if (owner) store(ti * 16 + row, sum);
-      return;
-    }
-    if (owner) {
-      __stcg(scratch.partials + int64_t(2 * int(blockIdx.x) + seg) * kTileElems + tid, sum);
-      __threadfence();  // the partial is visible device-wide before the count says so
-    }
-    __syncthreads();
-    bool is_last = false;
-    if (tid == 0) is_last = atomicAdd(&scratch.counters[ti], 1u) == unsigned(last - first);
-    if (!__syncthreads_or(is_last)) return;
-    if (tid == 0) scratch.counters[ti] = 0;  // for the next launch
-    __threadfence();
-    if (owner) {
-      float total = 0.0f;
-      for (int b = first; b <= last; ++b) {
-        const int bseg = unit_bound(b) / nchunks == ti ? 0 : 1;  // tile ti is block b's segment A or B
-        total += b == int(blockIdx.x) ? sum : __ldcg(scratch.partials + int64_t(2 * b + bseg) * kTileElems + tid);
-      }
-      store(ti * 16 + row, total);
-    }
-  };
 
   clear_acc();
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) issue(s);
-  {
-    constexpr int kpre = skinny_prologue_k<WARPS, U, S>();
-    uint32_t pf = pf_bytes;
-    if constexpr (STREAM) {  // within segment A (the launch knows only the average range)
-      const int64_t left = int64_t(min(a_hi * 32, K) - (a_lo * 32 + kpre)) * int64_t(sizeof(bf16));
-      pf = left > 0 ? uint32_t(std::min<int64_t>(pf, left & ~int64_t(127))) : 0u;
-    }
-    if (tid < 16 && pf > 0 && n0 + tid < N) prefetch_l2(w + int64_t(n0 + tid) * ldw + c_lo * 32 + kpre, pf);
-  }
+  if (tid < 16 && pf_bytes > 0 && n0 + tid < N)
+    prefetch_l2(w + int64_t(n0 + tid) * ldw + c_lo * 32 + skinny_prologue_k<WARPS, U, S>(), pf_bytes);
   pdl_wait();  // earlier kernels have completed: x may be read, out written
   const uint4 zero = make_uint4(0, 0, 0, 0);
   for (int st = 0; st < stages; ++st) {
     cp_async_wait<S - 2>();  // stage `st` has landed
     issue(st + S - 1);       // refills the slot read in the previous iteration
     const uint4* slot = wring + (st % S) * U * 2 * NTH + tid;
-    int it = PERSIST ? st % iters : st, lo = c_lo, hi = c_hi;
-    if constexpr (STREAM) {
-      const Seg sg = seg_of(st);
-      it = sg.it, lo = sg.lo, hi = sg.hi;
-    }
+    const int it = PERSIST ? st % iters : st;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int c = lo + warp + WARPS * (it * U + u);
-      const bool in = c < hi && c * 32 + 8 * t < K;
+      const int c = c_lo + warp + WARPS * (it * U + u);
+      const bool in = piece_in(c);
       const uint4 wa = slot[(2 * u) * NTH], wb = slot[(2 * u + 1) * NTH];
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
@@ -320,15 +241,7 @@ __global__ void __launch_bounds__(WARPS * 32)
         mma_16816(acc[j], wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);  // k = 8t + {4,5 | 6,7}
       }
     }
-    if constexpr (STREAM) {
-      if (st == iters - 1 && iters_b > 0) {  // segment A done, B to come: finish tile_a meanwhile
-        bool owner;
-        const float sum = block_sum(n0, owner);
-        stream_finish(tile_a, 0, sum, owner);
-        __syncthreads();  // `red` is read before segment B writes it
-        clear_acc();
-      }
-    } else if constexpr (PERSIST) {
+    if constexpr (PERSIST) {
       if (it == iters - 1 && st + 1 < stages) {  // a tile done, another to come: store it meanwhile
         const int tile_n0 = (int(blockIdx.x) + st / iters * int(gridDim.x)) * 16;
         bool owner;
@@ -342,15 +255,10 @@ __global__ void __launch_bounds__(WARPS * 32)
   cp_async_wait<0>();
 
   // The last (or only) tile.
-  const int last_n0 = STREAM ? n0 + 16 * (iters_b > 0)
-                      : PERSIST ? (int(blockIdx.x) + (my_tiles - 1) * int(gridDim.x)) * 16 : n0;
+  const int last_n0 = PERSIST ? (int(blockIdx.x) + (my_tiles - 1) * int(gridDim.x)) * 16 : n0;
   const int n = last_n0 + row;
   bool owner;
   float sum = block_sum(last_n0, owner);
-  if constexpr (STREAM) {
-    stream_finish(last_n0 / 16, iters_b > 0, sum, owner);
-    return;
-  }
   if constexpr (CS > 1) {
     float* parts = reinterpret_cast<float*>(wring + S * U * 2 * NTH);  // block 0's: [CS - 1][kTileElems]
     const int split = int(blockIdx.x) % CS;
@@ -363,7 +271,7 @@ __global__ void __launch_bounds__(WARPS * 32)
       for (int s = 0; s < CS - 1; ++s) sum += parts[s * kTileElems + tid];
     }
   }
-  if constexpr (SPLIT && !STREAM) {
+  if constexpr (SPLIT) {
     const int splits = gridDim.y;
     float* tile_partials = scratch.partials + int64_t(blockIdx.x) * splits * kTileElems;
     if (owner) {
@@ -447,8 +355,7 @@ __global__ void add_bias_kernel(bf16* __restrict__ out, int64_t ldo, int M, int 
 // the 50 MB L2 so that the prefetched lines are still there when the blocks reach them.
 constexpr int64_t kL2PrefetchBudget = int64_t(16) << 20;
 
-// sm_count: only for PERSIST, whose grid is the blocks that fit on the device at once (at most one per
-// tile; with SPLIT, stream-K, at least one per tile and at most one per unit).
+// sm_count: only for PERSIST, whose grid is the blocks that fit on the device at once (at most one per tile).
 template <int WARPS, int NT, int U, int S, bool GLU, bool SPLIT, int CS, bool PERSIST, class OutT>
 void launch_skinny_cfg(const bf16* x, int64_t ldx, int64_t glu_off, int M, const bf16* w, int64_t ldw, int N, int K,
                        ParamView bias, bool has_bias, OutT* out, int64_t ldo, int ksplit, SplitKScratch scratch,
@@ -466,17 +373,13 @@ void launch_skinny_cfg(const bf16* x, int64_t ldx, int64_t glu_off, int M, const
                  "cudaOccupancyMaxActiveBlocksPerMultiprocessor (skinny_gemm_kernel)");
       return std::max(n, 1);
     }();
-    const unsigned resident = unsigned(std::min<int64_t>(int64_t(per_sm) * sm_count, CudaBackend::kSplitKSlots / 2));
-    if constexpr (SPLIT)
-      blocks = std::max(blocks, std::min(resident, unsigned(int64_t(blocks) * ((K + 31) / 32))));
-    else
-      blocks = std::min(blocks, resident);
+    blocks = std::min(blocks, unsigned(per_sm * sm_count));
   }
   // L2 prefetch per row: the rest of the block's K range after the prologue (the shortest range of
   // a split, less one chunk for the last one's ragged end), within the budget; whole 128-byte
   // lines; none when it would be too little to matter (many rows).
   constexpr int kpre = skinny_prologue_k<WARPS, U, S>();
-  const int splits = PERSIST && SPLIT ? int((blocks + (N + 15) / 16 - 1) / ((N + 15) / 16)) : ksplit * CS;
+  const int splits = ksplit * CS;
   const int64_t kspan = splits > 1 ? int64_t((K + 31) / 32 / splits - 1) * 32 : K;
   const int64_t rest = kspan > kpre ? (kspan - kpre) * int64_t(sizeof(bf16)) : 0;
   int64_t pf = std::min(rest, kL2PrefetchBudget / (int64_t(N) * splits)) & ~int64_t(127);
@@ -526,8 +429,7 @@ bool skinny_persistent(int tiles, int sm_count, int mode) {
 template <bool GLU, class OutT>
 void launch_skinny(const bf16* x, int64_t ldx, int64_t glu_off, int M, const bf16* w, int64_t ldw, int N, int K,
                    ParamView bias, bool has_bias, OutT* out, int64_t ldo, int sm_count, int ksplit_mode,
-                   int cluster_mode, int persistent_mode, int streamk_mode, SplitKScratch scratch,
-                   const LaunchCtx& ctx) {
+                   int cluster_mode, int persistent_mode, SplitKScratch scratch, const LaunchCtx& ctx) {
   const int tiles = (N + 15) / 16;
   const int ksplit = skinny_ksplit(tiles, (K + 31) / 32, ksplit_mode);
   // Few blocks (N = 2560 without split-K: 160 tiles on 132 SMs) cannot keep enough bytes in flight
@@ -550,10 +452,6 @@ void launch_skinny(const bf16* x, int64_t ldx, int64_t glu_off, int M, const bf1
   using Eight = std::integral_constant<int, 8>;
   using Sixteen = std::integral_constant<int, 16>;
   using One = std::integral_constant<int, 1>;
-  // Stream-K (OCRIA_RT_SKINNY_STREAMK=1, off by default): the 8-warp configuration, resident blocks
-  // each taking an equal share of the tiles' K chunks, for up to two row tiles per SM.
-  if (streamk_mode == 1 && ksplit == 1 && wide && tiles <= 2 * sm_count)
-    return launch(Eight{}, true_type{}, One{}, true_type{});
   // Cluster split-K: tiles * cs blocks of the 8-warp configuration (3 blocks per SM; 2 for M > 8
   // with 4 per cluster, whose partial tiles take the shared memory a third block would need).
   if (cs == 2) return launch(Eight{}, false_type{}, std::integral_constant<int, 2>{}, false_type{});
@@ -614,12 +512,10 @@ void CudaBackend::linear(const Tensor& x, const LinearWeight& lw, const Tensor& 
     const SplitKScratch scratch = splitk_scratch(splitk_scratch_);
     if (out_bf16)
       launch_skinny<false>(xp, ldx, 0, int(M), wp, ldw, int(N), int(K), bias, has_bias, out.ptr<bf16>(), ldo, sm_count_,
-                           skinny_ksplit_, skinny_cluster_, skinny_persistent_, skinny_streamk_, scratch,
-                           launch_ctx());
+                           skinny_ksplit_, skinny_cluster_, skinny_persistent_, scratch, launch_ctx());
     else
       launch_skinny<false>(xp, ldx, 0, int(M), wp, ldw, int(N), int(K), bias, has_bias, out.ptr<float>(), ldo,
-                           sm_count_, skinny_ksplit_, skinny_cluster_, skinny_persistent_, skinny_streamk_, scratch,
-                           launch_ctx());
+                           sm_count_, skinny_ksplit_, skinny_cluster_, skinny_persistent_, scratch, launch_ctx());
     return;
   }
   if (M > 16 && out_bf16 && K > 0 &&
@@ -659,8 +555,7 @@ void CudaBackend::linear_swiglu(const Tensor& gate_up, const LinearWeight& lw, c
   activate();
   launch_skinny<true>(xp, gate_up.row_stride, I, int(M), wp, lw.weight.row_stride, int(lw.weight.dim(0)), int(I),
                       ParamView{}, false, out.ptr<bf16>(), out.row_stride, sm_count_, skinny_ksplit_,
-                      skinny_cluster_, skinny_persistent_, skinny_streamk_, splitk_scratch(splitk_scratch_),
-                      launch_ctx());
+                      skinny_cluster_, skinny_persistent_, splitk_scratch(splitk_scratch_), launch_ctx());
 }
 
 }  // namespace ocria_rt
