@@ -119,8 +119,8 @@ __device__ __forceinline__ float gated_norm_out(float o, float inv, float w, flo
 
 // ---- gdn_recurrent ----
 
-// L2 prefetch, before pdl_wait(), of the R rows of S a warp holds (32 columns from `first`, rows dv
-// apart), one line per lane: S was last written by the same layer in the previous step, so its DRAM
+// L2 prefetch, before pdl_wait(), of the R rows of S a warp holds (its 32 columns from `first`, rows
+// dv apart; none where they start past dv), one line per lane: S was last written by the same layer in the previous step, so its DRAM
 // reads may start while the kernels before this one run.
 template <int R>
 __device__ __forceinline__ void prefetch_state_rows(const float* first, int dv, bool cols_ok, int lane) {
@@ -147,11 +147,10 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int hk = h / (HV / HK);
   const int64_t q_off = int64_t(hk) * DK, k_off = int64_t(HK + hk) * DK, v_off = int64_t(2 * HK) * DK + int64_t(h) * dv;
   const float neg_A = -__expf(A_log[h]), dtb = dt_bias[h];
-  prefetch_state_rows<R>(state + int64_t(h) * DK * dv + int64_t(warp * R) * dv + blockIdx.y * 32, dv,
-                         blockIdx.y * 32 < dv, lane);
+  float* Sp = state + int64_t(h) * DK * dv + int64_t(warp * R) * dv + col;
+  prefetch_state_rows<R>(Sp - lane, dv, col - lane < dv, lane);
   pdl_wait();  // A_log and dt_bias are read-only; the state and the inputs come from earlier kernels
 
-  float* Sp = state + int64_t(h) * DK * dv + int64_t(warp * R) * dv + col;
   float S[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) S[r] = col_ok ? Sp[int64_t(r) * dv] : 0.0f;
@@ -262,11 +261,11 @@ __global__ void __launch_bounds__(kDecThreads, 1)
   float nw[kPer];
 #pragma unroll
   for (int m = 0; m < kPer; ++m) nw[m] = lane + 32 * m < dv ? norm_w[lane + 32 * m] : 0.0f;
-  prefetch_state_rows<R>(state + int64_t(h) * DK * dv + int64_t(rw * R) * dv + 32 * cg, dv, 32 * cg < dv, lane);
+  float* Sp = state + int64_t(h) * DK * dv + int64_t(rw * R) * dv + col;
+  prefetch_state_rows<R>(Sp - lane, dv, col - lane < dv, lane);
   if (has_ch) prefetch_l2_line(conv_state + ch * (K - 1));
   pdl_wait();  // the weights, A_log, dt_bias are read-only; the rest comes from earlier kernels
 
-  float* Sp = state + int64_t(h) * DK * dv + int64_t(rw * R) * dv + col;
   float S[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) S[r] = col_ok ? Sp[int64_t(r) * dv] : 0.0f;
