@@ -54,6 +54,15 @@ namespace {
 // resets the counter to 0 for the next launch (graph replays included). Without SPLIT the kernel is
 // the one-block-per-tile kernel it always was.
 //
+// Warm-up of the next linear (L2Warm; see skinny_warm below): a decode step runs its linears one
+// after the other with latency-bound kernels (norms, attention, the DeltaNet recurrence) or nothing
+// between them, and a linear's blocks cannot stream before they are resident, which for the MLP down
+// projection is only once gate_up's blocks have left the SMs. So each block, once it has issued its
+// last weight copy, issues L2 prefetches of a share of the first bytes that the next linear's
+// resident blocks will read (per row and K split, the range their ring starts with): the memory
+// system stays busy across the boundary, and the next linear starts from L2. A hint only: prefetches
+// never change a result.
+//
 // Cluster split-K (CS > 1; see skinny_cluster below): the same balance
 // for few row tiles without the scratch and the counters. The CS consecutive blocks of a cluster
 // (grid.x = tiles * CS) take the CS balanced K ranges of one tile; blocks 1 .. CS-1 store their
@@ -95,6 +104,17 @@ struct SplitKScratch {
   float* partials = nullptr;
 };
 
+// The L2 warm-up a skinny GEMM issues for the linear after it: for each of `rows` rows of w and each
+// of `splits` K ranges (split s starts at 32-wide chunk nchunks * s / splits, as in the kernel), the
+// first `bytes` bytes, shared out over the blocks from `from_block` on (the last wave of the grid).
+// bytes == 0: none.
+struct L2Warm {
+  const bf16* w = nullptr;
+  int64_t ldw = 0;
+  int rows = 0, splits = 1, nchunks = 0, from_block = 0;
+  uint32_t bytes = 0;
+};
+
 // Requirements (checked by the caller): K % 8 == 0, ldx % 8 == 0, ldw % 8 == 0, x and w 16-byte
 // aligned, 1 <= M <= 8 * NT; pf_bytes a multiple of 16 with kpre + pf_bytes / 2 no larger than a
 // block's K range (or 0). Dynamic shared memory: skinny_smem_bytes<WARPS, NT, U, S, CS>().
@@ -110,7 +130,7 @@ template <int WARPS, int NT, int U, int S, bool GLU, bool SPLIT, int CS, bool PE
 __global__ void __launch_bounds__(WARPS * 32)
     skinny_gemm_kernel(const bf16* __restrict__ x, int64_t ldx, int64_t glu_off, int M, const bf16* __restrict__ w,
                        int64_t ldw, int N, int K, uint32_t pf_bytes, ParamView bias, bool has_bias,
-                       OutT* __restrict__ out, int64_t ldo, SplitKScratch scratch) {
+                       OutT* __restrict__ out, int64_t ldo, SplitKScratch scratch, L2Warm warm) {
   static_assert(!(SPLIT && CS > 1), "split-K over the grid or over a cluster, not both");
   static_assert(!(PERSIST && (SPLIT || CS > 1)), "persistent blocks take whole tiles");
   pdl_launch_dependents();
@@ -213,15 +233,31 @@ __global__ void __launch_bounds__(WARPS * 32)
     store_out(out + int64_t(tok) * ldo + n, sum);
   };
 
+  // This block's share of the warm-up of the next linear: units (row, split) q, q + nq, ... over
+  // the threads, q the block's index in the last wave.
+  auto warm_next = [&] {
+    const int b = int(blockIdx.x + gridDim.x * blockIdx.y) - warm.from_block;
+    if (warm.bytes == 0 || b < 0) return;
+    const int nq = int(gridDim.x * gridDim.y) - warm.from_block, units = warm.rows * warm.splits;
+    for (int u = b + nq * tid; u < units; u += nq * NTH) {
+      const int r = u / warm.splits, c = int(int64_t(warm.nchunks) * (u % warm.splits) / warm.splits);
+      prefetch_l2(warm.w + int64_t(r) * warm.ldw + c * 32, warm.bytes);
+    }
+  };
+  // The warm-up goes out once the block's last stage is issued (st + S - 1 == stages below).
+  const int warm_at = stages - (S - 1);
+
   clear_acc();
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) issue(s);
   if (tid < 16 && pf_bytes > 0 && n0 + tid < N)
     prefetch_l2(w + int64_t(n0 + tid) * ldw + c_lo * 32 + skinny_prologue_k<WARPS, U, S>(), pf_bytes);
+  if (warm_at <= 0) warm_next();
   pdl_wait();  // earlier kernels have completed: x may be read, out written
   const uint4 zero = make_uint4(0, 0, 0, 0);
   for (int st = 0; st < stages; ++st) {
     cp_async_wait<S - 2>();  // stage `st` has landed
+    if (st == warm_at) warm_next();
     issue(st + S - 1);       // refills the slot read in the previous iteration
     const uint4* slot = wring + (st % S) * U * 2 * NTH + tid;
     const int it = PERSIST ? st % iters : st;
@@ -355,38 +391,106 @@ __global__ void add_bias_kernel(bf16* __restrict__ out, int64_t ldo, int M, int 
 // the 50 MB L2 so that the prefetched lines are still there when the blocks reach them.
 constexpr int64_t kL2PrefetchBudget = int64_t(16) << 20;
 
-// sm_count: only for PERSIST, whose grid is the blocks that fit on the device at once (at most one per tile).
-template <int WARPS, int NT, int U, int S, bool GLU, bool SPLIT, int CS, bool PERSIST, class OutT>
-void launch_skinny_cfg(const bf16* x, int64_t ldx, int64_t glu_off, int M, const bf16* w, int64_t ldw, int N, int K,
-                       ParamView bias, bool has_bias, OutT* out, int64_t ldo, int ksplit, SplitKScratch scratch,
-                       const LaunchCtx& ctx, int sm_count) {
-  constexpr int smem = skinny_smem_bytes<WARPS, NT, U, S, CS>();
-  auto kernel = skinny_gemm_kernel<WARPS, NT, U, S, GLU, SPLIT, CS, PERSIST, OutT>;
-  // Once per instantiation (thread-safe static initialisation); allowed during graph capture.
-  static const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  check_cuda(attr, "cudaFuncSetAttribute (skinny_gemm_kernel)");
-  unsigned blocks = unsigned((N + 15) / 16 * CS);
-  if constexpr (PERSIST) {
-    static const int per_sm = [&] {
-      int n = 0;
-      check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, WARPS * 32, smem),
-                 "cudaOccupancyMaxActiveBlocksPerMultiprocessor (skinny_gemm_kernel)");
-      return std::max(n, 1);
-    }();
-    blocks = std::min(blocks, unsigned(per_sm * sm_count));
+// How one skinny GEMM runs, chosen by skinny_plan from its shape and the backend's switches.
+struct SkinnyPlan {
+  int ksplit = 1;        // split-K over the grid (grid.y); 1: none
+  int cs = 1;            // blocks of a cluster sharing one row tile's K; 1: none
+  bool wide = false;     // 16 warps per block instead of 8
+  bool persist = false;  // persistent blocks
+  int persist_per_sm = 0;  // at most this many persistent blocks per SM (0: as many as fit)
+  int splits() const { return ksplit * cs; }
+};
+
+// skinny_gemm_kernel's template parameters other than GLU and the output type. Ring sizes: 64 KiB
+// (8 warps, 4 stages: 3 blocks per SM) and 96 KiB (16 warps, 3 stages: 2 blocks per SM); 192 resp.
+// 128 bytes in flight per thread.
+template <int WARPS_, int NT_, bool SPLIT_, int CS_, bool PERSIST_> struct SkinnyCfg {
+  static constexpr int WARPS = WARPS_, NT = NT_, U = 2, S = WARPS_ == 16 ? 3 : 4, CS = CS_;
+  static constexpr bool SPLIT = SPLIT_, PERSIST = PERSIST_;
+  static constexpr int smem = skinny_smem_bytes<WARPS, NT, U, S, CS>();
+  template <bool GLU, class OutT> static constexpr auto kernel() {
+    return skinny_gemm_kernel<WARPS, NT, U, S, GLU, SPLIT, CS, PERSIST, OutT>;
   }
-  // L2 prefetch per row: the rest of the block's K range after the prologue (the shortest range of
-  // a split, less one chunk for the last one's ragged end), within the budget; whole 128-byte
-  // lines; none when it would be too little to matter (many rows).
-  constexpr int kpre = skinny_prologue_k<WARPS, U, S>();
-  const int splits = ksplit * CS;
-  const int64_t kspan = splits > 1 ? int64_t((K + 31) / 32 / splits - 1) * 32 : K;
+};
+
+// Calls f(SkinnyCfg<...>{}) with the configuration of plan p for M tokens (one or two 8-token tiles).
+template <class F> void visit_skinny(const SkinnyPlan& p, int M, F&& f) {
+  auto by_m = [&](auto warps, auto split, auto cs, auto persist) {
+    constexpr int W = decltype(warps)::value, C = decltype(cs)::value;
+    constexpr bool SP = decltype(split)::value, PE = decltype(persist)::value;
+    if (M <= 8)
+      f(SkinnyCfg<W, 1, SP, C, PE>{});
+    else
+      f(SkinnyCfg<W, 2, SP, C, PE>{});
+  };
+  using std::false_type, std::true_type;
+  using Eight = std::integral_constant<int, 8>;
+  using Sixteen = std::integral_constant<int, 16>;
+  using One = std::integral_constant<int, 1>;
+  // Cluster split-K: the 8-warp configuration (3 blocks per SM; 2 for M > 8 with 4 per cluster,
+  // whose partial tiles take the shared memory a third block would need).
+  if (p.cs == 2) return by_m(Eight{}, false_type{}, std::integral_constant<int, 2>{}, false_type{});
+  if (p.cs == 4) return by_m(Eight{}, false_type{}, std::integral_constant<int, 4>{}, false_type{});
+  if (p.persist) return by_m(Eight{}, false_type{}, One{}, true_type{});
+  if (p.wide && p.ksplit > 1) return by_m(Sixteen{}, true_type{}, One{}, false_type{});
+  if (p.wide) return by_m(Sixteen{}, false_type{}, One{}, false_type{});
+  if (p.ksplit > 1) return by_m(Eight{}, true_type{}, One{}, false_type{});
+  by_m(Eight{}, false_type{}, One{}, false_type{});
+}
+
+// Raises the kernel's dynamic shared-memory limit (once per instantiation, thread-safe static
+// initialisation; allowed during graph capture) and returns how many of its blocks fit on an SM.
+template <class Cfg, bool GLU, class OutT> int skinny_blocks_per_sm() {
+  static const int per_sm = [] {
+    auto kernel = Cfg::template kernel<GLU, OutT>();
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::smem),
+               "cudaFuncSetAttribute (skinny_gemm_kernel)");
+    int n = 0;
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, Cfg::WARPS * 32, Cfg::smem),
+               "cudaOccupancyMaxActiveBlocksPerMultiprocessor (skinny_gemm_kernel)");
+    return std::max(n, 1);
+  }();
+  return per_sm;
+}
+
+// The K elements every split's range holds at least from its first chunk on (the shortest range,
+// less one chunk for the last one's ragged end); K without splits.
+int64_t skinny_split_span(int K, int splits) {
+  return splits > 1 ? int64_t((K + 31) / 32 / splits - 1) * 32 : K;
+}
+
+// Persistent blocks per SM of a plan whose kernel fits per_sm blocks on an SM.
+int skinny_persist_per_sm(const SkinnyPlan& p, int per_sm) {
+  return p.persist_per_sm > 0 ? std::min(per_sm, p.persist_per_sm) : per_sm;
+}
+
+// The grid of a launch: row tiles times blocks per cluster, by K splits; persistent: as many blocks
+// as may run on the device at once (skinny_persist_per_sm), at most one per tile.
+dim3 skinny_grid(const SkinnyPlan& p, int N, int per_sm, int sm_count) {
+  const unsigned tiles = unsigned((N + 15) / 16);
+  const unsigned x = p.persist ? std::min(tiles, unsigned(skinny_persist_per_sm(p, per_sm) * sm_count))
+                               : tiles * unsigned(p.cs);
+  return dim3(x, unsigned(p.ksplit));
+}
+
+template <class Cfg, bool GLU, class OutT>
+void launch_skinny_cfg(const bf16* x, int64_t ldx, int64_t glu_off, int M, const bf16* w, int64_t ldw, int N, int K,
+                       ParamView bias, bool has_bias, OutT* out, int64_t ldo, const SkinnyPlan& p,
+                       SplitKScratch scratch, L2Warm warm, const LaunchCtx& ctx, int sm_count) {
+  const int per_sm = skinny_blocks_per_sm<Cfg, GLU, OutT>();
+  const dim3 grid = skinny_grid(p, N, per_sm, sm_count);
+  // The warm-up of the next linear goes to the last wave of blocks.
+  warm.from_block = std::max(0, int(grid.x * grid.y) - per_sm * sm_count);
+  // L2 prefetch per row: the rest of the block's K range after the prologue, within the budget;
+  // whole 128-byte lines; none when it would be too little to matter (many rows).
+  constexpr int kpre = skinny_prologue_k<Cfg::WARPS, Cfg::U, Cfg::S>();
+  const int64_t kspan = skinny_split_span(K, p.splits());
   const int64_t rest = kspan > kpre ? (kspan - kpre) * int64_t(sizeof(bf16)) : 0;
-  int64_t pf = std::min(rest, kL2PrefetchBudget / (int64_t(N) * splits)) & ~int64_t(127);
+  int64_t pf = std::min(rest, kL2PrefetchBudget / (int64_t(N) * p.splits())) & ~int64_t(127);
   if (pf < 1024) pf = 0;
-  launch_pdl_cluster(ctx, "skinny_gemm_kernel", CS > 1 ? unsigned(CS) : 0u, kernel, dim3(blocks, unsigned(ksplit)),
-                     WARPS * 32, smem, x, ldx, glu_off, M, w, ldw, N, K, uint32_t(pf), bias, has_bias, out, ldo,
-                     scratch);
+  launch_pdl_cluster(ctx, "skinny_gemm_kernel", Cfg::CS > 1 ? unsigned(Cfg::CS) : 0u, Cfg::template kernel<GLU, OutT>(),
+                     grid, Cfg::WARPS * 32, Cfg::smem, x, ldx, glu_off, M, w, ldw, N, K, uint32_t(pf), bias, has_bias,
+                     out, ldo, scratch, warm);
 }
 
 // The carving of CudaBackend::splitk_scratch_.
@@ -426,46 +530,63 @@ bool skinny_persistent(int tiles, int sm_count, int mode) {
   return mode == CudaBackend::kSkinnyAuto ? tiles <= 16 * sm_count : mode == 1;
 }
 
+// The launch of an [N, K] weight: split-K over the grid only when asked for; few blocks (N = 2560
+// without split-K: 160 tiles on 132 SMs) cannot keep enough bytes in flight with 8 warps per block,
+// so they get 16 warps, or cluster split-K; persistent blocks for many tiles (no split-K).
+SkinnyPlan skinny_plan(int N, int K, int sm_count, int ksplit_mode, int cluster_mode, int persistent_mode,
+                       int persist_per_sm) {
+  SkinnyPlan p;
+  const int tiles = (N + 15) / 16, nchunks = (K + 31) / 32;
+  p.ksplit = skinny_ksplit(tiles, nchunks, ksplit_mode);
+  p.wide = int64_t(tiles) * p.ksplit < 4 * sm_count;
+  p.cs = skinny_cluster(p.wide, tiles, sm_count, p.ksplit, nchunks, cluster_mode);
+  p.persist = p.cs == 1 && p.ksplit == 1 && !p.wide && skinny_persistent(tiles, sm_count, persistent_mode);
+  p.persist_per_sm = persist_per_sm;
+  return p;
+}
+
+// Whether a weight [N, K] can take the skinny GEMM (with an input of 16-byte aligned rows).
+bool skinny_weight_ok(const Tensor& w) {
+  return w.dtype == DType::BF16 && w.ndim == 2 && w.dim(1) > 0 && w.dim(1) % 8 == 0 && w.row_stride % 8 == 0 &&
+         aligned16(w.data);
+}
+
 template <bool GLU, class OutT>
 void launch_skinny(const bf16* x, int64_t ldx, int64_t glu_off, int M, const bf16* w, int64_t ldw, int N, int K,
-                   ParamView bias, bool has_bias, OutT* out, int64_t ldo, int sm_count, int ksplit_mode,
-                   int cluster_mode, int persistent_mode, SplitKScratch scratch, const LaunchCtx& ctx) {
-  const int tiles = (N + 15) / 16;
-  const int ksplit = skinny_ksplit(tiles, (K + 31) / 32, ksplit_mode);
-  // Few blocks (N = 2560 without split-K: 160 tiles on 132 SMs) cannot keep enough bytes in flight
-  // with 8 warps per block: give each block 16 warps then. Ring sizes: 64 KiB (8 warps, 3 blocks
-  // per SM) and 96 KiB (16 warps, 2 blocks per SM); 192 resp. 128 bytes in flight per thread.
-  const bool wide = int64_t(tiles) * ksplit < 4 * sm_count;
-  const int cs = skinny_cluster(wide, tiles, sm_count, ksplit, (K + 31) / 32, cluster_mode);
-  // One launch of WARPS warps per block (ring of S stages) with one or two 8-token tiles by M.
-  auto launch = [&](auto warps, auto split, auto cs_const, auto persist) {
-    constexpr int WARPS = decltype(warps)::value, S = WARPS == 16 ? 3 : 4, CS = decltype(cs_const)::value;
-    constexpr bool SPLIT = decltype(split)::value, PERSIST = decltype(persist)::value;
-    if (M <= 8)
-      launch_skinny_cfg<WARPS, 1, 2, S, GLU, SPLIT, CS, PERSIST>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out,
-                                                                 ldo, ksplit, scratch, ctx, sm_count);
-    else
-      launch_skinny_cfg<WARPS, 2, 2, S, GLU, SPLIT, CS, PERSIST>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out,
-                                                                 ldo, ksplit, scratch, ctx, sm_count);
-  };
-  using std::false_type, std::true_type;
-  using Eight = std::integral_constant<int, 8>;
-  using Sixteen = std::integral_constant<int, 16>;
-  using One = std::integral_constant<int, 1>;
-  // Cluster split-K: tiles * cs blocks of the 8-warp configuration (3 blocks per SM; 2 for M > 8
-  // with 4 per cluster, whose partial tiles take the shared memory a third block would need).
-  if (cs == 2) return launch(Eight{}, false_type{}, std::integral_constant<int, 2>{}, false_type{});
-  if (cs == 4) return launch(Eight{}, false_type{}, std::integral_constant<int, 4>{}, false_type{});
-  // Persistent blocks, for many tiles (the 8-warp configuration, no split-K): as many blocks as fit
-  // at once, each streaming its tiles one after the other.
-  if (ksplit == 1 && !wide && skinny_persistent(tiles, sm_count, persistent_mode))
-    return launch(Eight{}, false_type{}, One{}, true_type{});
-  if (wide) {
-    if (ksplit > 1) return launch(Sixteen{}, true_type{}, One{}, false_type{});
-    return launch(Sixteen{}, false_type{}, One{}, false_type{});
-  }
-  if (ksplit > 1) return launch(Eight{}, true_type{}, One{}, false_type{});
-  launch(Eight{}, false_type{}, One{}, false_type{});
+                   ParamView bias, bool has_bias, OutT* out, int64_t ldo, const SkinnyPlan& p, SplitKScratch scratch,
+                   const L2Warm& warm, const LaunchCtx& ctx, int sm_count) {
+  visit_skinny(p, M, [&](auto cfg) {
+    launch_skinny_cfg<decltype(cfg), GLU>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, p, scratch, warm,
+                                          ctx, sm_count);
+  });
+}
+
+// The warm-up of `next` (the weight of the linear after this one, for M tokens) that a skinny GEMM
+// issues at its end: per row and K split of the tiles that the next one's first resident blocks
+// take, the first bytes of their range, `budget` bytes in all, in whole 128-byte lines. None for a
+// weight that will not take the skinny GEMM, nor for split-K over the grid (its first blocks take
+// every tile's first split; never a default).
+L2Warm skinny_warm(const Tensor& next, int M, int64_t budget, int sm_count, int ksplit_mode, int cluster_mode,
+                   int persistent_mode, int persist_per_sm) {
+  L2Warm warm;
+  if (!next.defined() || budget <= 0 || M < 1 || M > 16 || !skinny_weight_ok(next)) return warm;
+  const int N = int(next.dim(0)), K = int(next.dim(1));
+  const SkinnyPlan p = skinny_plan(N, K, sm_count, ksplit_mode, cluster_mode, persistent_mode, persist_per_sm);
+  if (p.ksplit > 1) return warm;
+  int per_sm = 1;
+  visit_skinny(p, M, [&](auto cfg) { per_sm = skinny_blocks_per_sm<decltype(cfg), false, bf16>(); });
+  if (p.persist) per_sm = skinny_persist_per_sm(p, per_sm);
+  const int rows = int(std::min<int64_t>(N, int64_t(per_sm) * sm_count / p.cs * 16));
+  const int64_t span = skinny_split_span(K, p.cs) * int64_t(sizeof(bf16));
+  const int64_t bytes = std::min(span, budget / (int64_t(rows) * p.cs)) & ~int64_t(127);
+  if (bytes == 0) return warm;
+  warm.w = next.ptr<bf16>();
+  warm.ldw = next.row_stride;
+  warm.rows = rows;
+  warm.splits = p.cs;
+  warm.nchunks = (K + 31) / 32;
+  warm.bytes = uint32_t(bytes);
+  return warm;
 }
 
 template <class OutT>
@@ -505,17 +626,20 @@ void CudaBackend::linear(const Tensor& x, const LinearWeight& lw, const Tensor& 
   const bf16* xp = x.ptr<bf16>();
   const bf16* wp = w.ptr<bf16>();
   const int64_t ldx = x.row_stride, ldw = w.row_stride, ldo = out.row_stride;
-  const bool vec_ok = K % 8 == 0 && ldx % 8 == 0 && ldw % 8 == 0 && aligned16(xp) && aligned16(wp);
   const bool out_bf16 = out.dtype == DType::BF16;
 
-  if (M <= 16 && vec_ok && K > 0) {
+  if (M <= 16 && skinny_weight_ok(w) && ldx % 8 == 0 && aligned16(xp)) {
+    const SkinnyPlan plan = skinny_plan(int(N), int(K), sm_count_, skinny_ksplit_, skinny_cluster_, skinny_persistent_,
+                                            skinny_persist_per_sm_);
+    const L2Warm warm = skinny_warm(lw.next_weight, int(M), l2_warm_bytes_, sm_count_, skinny_ksplit_, skinny_cluster_,
+                                    skinny_persistent_, skinny_persist_per_sm_);
     const SplitKScratch scratch = splitk_scratch(splitk_scratch_);
     if (out_bf16)
-      launch_skinny<false>(xp, ldx, 0, int(M), wp, ldw, int(N), int(K), bias, has_bias, out.ptr<bf16>(), ldo, sm_count_,
-                           skinny_ksplit_, skinny_cluster_, skinny_persistent_, scratch, launch_ctx());
+      launch_skinny<false>(xp, ldx, 0, int(M), wp, ldw, int(N), int(K), bias, has_bias, out.ptr<bf16>(), ldo, plan,
+                           scratch, warm, launch_ctx(), sm_count_);
     else
-      launch_skinny<false>(xp, ldx, 0, int(M), wp, ldw, int(N), int(K), bias, has_bias, out.ptr<float>(), ldo,
-                           sm_count_, skinny_ksplit_, skinny_cluster_, skinny_persistent_, scratch, launch_ctx());
+      launch_skinny<false>(xp, ldx, 0, int(M), wp, ldw, int(N), int(K), bias, has_bias, out.ptr<float>(), ldo, plan,
+                           scratch, warm, launch_ctx(), sm_count_);
     return;
   }
   if (M > 16 && out_bf16 && K > 0 &&
@@ -546,16 +670,21 @@ void CudaBackend::linear_swiglu(const Tensor& gate_up, const LinearWeight& lw, c
   const bf16* xp = gate_up.ptr<bf16>();
   const bf16* wp = lw.weight.ptr<bf16>();
   const bool fused = M <= 16 && M > 0 && !lw.bias.defined() && I % 8 == 0 && gate_up.row_stride % 8 == 0 &&
-                     lw.weight.row_stride % 8 == 0 && aligned16(xp) && aligned16(wp);
+                     skinny_weight_ok(lw.weight) && aligned16(xp);
   if (!fused) {  // prefill: the activation through memory, then the GEMM
     silu_mul(gate_up, act);
     linear(act, lw, out);
     return;
   }
   activate();
-  launch_skinny<true>(xp, gate_up.row_stride, I, int(M), wp, lw.weight.row_stride, int(lw.weight.dim(0)), int(I),
-                      ParamView{}, false, out.ptr<bf16>(), out.row_stride, sm_count_, skinny_ksplit_,
-                      skinny_cluster_, skinny_persistent_, splitk_scratch(splitk_scratch_), launch_ctx());
+  const int N = int(lw.weight.dim(0));
+  const SkinnyPlan plan = skinny_plan(N, int(I), sm_count_, skinny_ksplit_, skinny_cluster_, skinny_persistent_,
+                                          skinny_persist_per_sm_);
+  const L2Warm warm = skinny_warm(lw.next_weight, int(M), l2_warm_bytes_, sm_count_, skinny_ksplit_, skinny_cluster_,
+                                  skinny_persistent_, skinny_persist_per_sm_);
+  launch_skinny<true>(xp, gate_up.row_stride, I, int(M), wp, lw.weight.row_stride, N, int(I), ParamView{}, false,
+                      out.ptr<bf16>(), out.row_stride, plan, splitk_scratch(splitk_scratch_), warm, launch_ctx(),
+                      sm_count_);
 }
 
 }  // namespace ocria_rt
