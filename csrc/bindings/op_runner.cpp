@@ -136,14 +136,11 @@ void register_op_runner(py::module_& m) {
                            F32Array w_down, int layers, float eps) {
         // `layers` times add_rms_norm (residual += delta) -> linear (gate_up) -> linear_swiglu (delta),
         // then a last add_rms_norm, all enqueued before anything is read back: dependent kernels
-        // back to back, as in a decode step, each linear naming the other as its next (the L2
-        // warm-up hint). Returns (residual, normed).
+        // back to back, as in a decode step. Returns (residual, normed).
         const py::ssize_t M = residual.shape(0), H = residual.shape(1), I2 = w_gate_up.shape(0);
         LinearWeight gu, down;
         gu.weight = r.upload(w_gate_up, r.wt());
         down.weight = r.upload(w_down, r.wt());
-        gu.next_weight = down.weight;
-        down.next_weight = gu.weight;
         Tensor res = r.upload(residual, r.act()), d = r.upload(delta, r.act()), w = r.upload(norm_w, DType::F32);
         Tensor normed = r.poisoned({M, H}, r.act()), gate_up = r.poisoned({M, I2}, r.act());
         Tensor act = r.poisoned({M, I2 / 2}, r.act());

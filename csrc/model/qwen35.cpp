@@ -65,18 +65,6 @@ Qwen35Model::Qwen35Model(const ModelConfig& config, const Checkpoint& ck, Backen
     L.down = w.linear({{p + "mlp.down_proj.weight", {H, I}}});
     layers_.push_back(std::move(L));
   }
-  // Each linear names the one a forward pass runs next (LinearWeight::next_weight, a warm-up
-  // hint): per layer qkv | in_proj -> o | out -> gate_up -> down -> the next layer's first; the
-  // last down -> the LM head -> layer 0's first (the next decode step's).
-  std::vector<LinearWeight*> order;
-  for (DecoderLayer& L : layers_) {
-    order.push_back(L.full_attention ? &L.attn.qkv : &L.gdn.in_proj);
-    order.push_back(L.full_attention ? &L.attn.o : &L.gdn.out);
-    order.push_back(&L.gate_up);
-    order.push_back(&L.down);
-  }
-  order.push_back(&lm_head_);
-  for (size_t i = 0; i < order.size(); ++i) order[i]->next_weight = order[(i + 1) % order.size()]->weight;
 }
 
 SequenceState Qwen35Model::make_state(Arena& arena, int64_t max_context) const {

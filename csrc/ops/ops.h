@@ -28,10 +28,6 @@ struct LinearWeight {
   Format format = Format::kDense;
   Tensor weight;  // [N (out), K (in)], the backend's weight dtype
   Tensor bias;    // optional [N]
-  // Optional, a hint: the weight of the linear that a forward pass runs after this one. A backend
-  // may start moving its first bytes into a cache as this linear ends, so that the next one starts
-  // from there instead of waiting on memory; results never depend on it.
-  Tensor next_weight;
 
   int64_t out_features() const { return weight.dim(0); }
   int64_t in_features() const { return weight.dim(1); }

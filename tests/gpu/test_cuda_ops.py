@@ -280,29 +280,6 @@ def test_dependent_op_chain(cpu, monkeypatch, M, H, I, ksplit, cluster, persiste
     np.testing.assert_array_equal(got["0"][1], got_out)
 
 
-@pytest.mark.parametrize("env", [{"OCRIA_RT_L2_WARM_MB": "0"}, {"OCRIA_RT_L2_WARM_MB": "1024"},
-                                 {"OCRIA_RT_SKINNY_PERSIST_PER_SM": "2"}])
-@pytest.mark.parametrize("M,H,I", CHAIN_CASES[:3])
-def test_chain_warmup_is_only_a_hint(monkeypatch, M, H, I, env):
-    """In the chain each linear names the other as the one after it (LinearWeight::next_weight), so
-    every skinny GEMM ends by warming the other's first weights into L2. Without that warm-up, with
-    a budget past the L2's size (every range taken whole, up to its split's end), and with persistent
-    blocks capped at 2 per SM, the chain gives the default's bits."""
-    rng = np.random.default_rng(M * 3 + H + I)
-    res, delta = randn(rng, M, H, scale=3), randn(rng, M, H)
-    norm_w = randn(rng, H, scale=0.1)
-    w_gate_up, w_down = randn(rng, 2 * I, H, scale=H ** -0.5), randn(rng, H, I, scale=I ** -0.5)
-    args = (res, delta, norm_w, w_gate_up, w_down, 3, 1e-6)
-    for var in env:
-        monkeypatch.delenv(var, raising=False)
-    want_res, want_out = _core.OpRunner("cuda").mlp_chain(*args)
-    for var, value in env.items():
-        monkeypatch.setenv(var, value)
-    got_res, got_out = _core.OpRunner("cuda").mlp_chain(*args)
-    np.testing.assert_array_equal(got_res, want_res)
-    np.testing.assert_array_equal(got_out, want_out)
-
-
 # ---- attention: prepare (norms, RoPE, cache write) and split-K decode / simple prefill ----
 
 ATTN_CASES = [

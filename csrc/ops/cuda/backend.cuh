@@ -319,14 +319,6 @@ class CudaBackend final : public Backend {
   // tiles, anything else: never.
   int skinny_cluster_ = kSkinnyAuto;
   int skinny_persistent_ = kSkinnyAuto;
-  // OCRIA_RT_SKINNY_PERSIST_PER_SM = n > 0: at most n persistent blocks per SM, leaving room for the
-  // next kernel's blocks to become resident early (an experiment); unset or 0: as many as fit.
-  int skinny_persist_per_sm_ = 0;
-  // The bytes of a linear's successor (LinearWeight::next_weight) that the skinny GEMM warms into L2
-  // at its end (linear.cu, L2Warm): OCRIA_RT_L2_WARM_MB in the environment when the backend was
-  // constructed (MiB; 0: no warm-up), else kDefaultL2WarmBytes.
-  int64_t l2_warm_bytes_ = kDefaultL2WarmBytes;
-  static constexpr int64_t kDefaultL2WarmBytes = int64_t(16) << 20;
   cudaStream_t stream_ = nullptr;
   // Op scratch, shared by all ops: kernels on the one stream only touch it after pdl_wait(), when
   // every earlier kernel has completed.

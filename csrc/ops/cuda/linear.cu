@@ -54,15 +54,6 @@ namespace {
 // resets the counter to 0 for the next launch (graph replays included). Without SPLIT the kernel is
 // the one-block-per-tile kernel it always was.
 //
-// Warm-up of the next linear (L2Warm; see skinny_warm below): a decode step runs its linears one
-// after the other with latency-bound kernels (norms, attention, the DeltaNet recurrence) or nothing
-// between them, and a linear's blocks cannot stream before they are resident, which for the MLP down
-// projection is only once gate_up's blocks have left the SMs. So each block, once it has issued its
-// last weight copy, issues L2 prefetches of a share of the first bytes that the next linear's
-// resident blocks will read (per row and K split, the range their ring starts with): the memory
-// system stays busy across the boundary, and the next linear starts from L2. A hint only: prefetches
-// never change a result.
-//
 // Cluster split-K (CS > 1; see skinny_cluster below): the same balance
 // for few row tiles without the scratch and the counters. The CS consecutive blocks of a cluster
 // (grid.x = tiles * CS) take the CS balanced K ranges of one tile; blocks 1 .. CS-1 store their
@@ -104,17 +95,6 @@ struct SplitKScratch {
   float* partials = nullptr;
 };
 
-// The L2 warm-up a skinny GEMM issues for the linear after it: for each of `rows` rows of w and each
-// of `splits` K ranges (split s starts at 32-wide chunk nchunks * s / splits, as in the kernel), the
-// first `bytes` bytes, shared out over the blocks from `from_block` on (the last wave of the grid).
-// bytes == 0: none.
-struct L2Warm {
-  const bf16* w = nullptr;
-  int64_t ldw = 0;
-  int rows = 0, splits = 1, nchunks = 0, from_block = 0;
-  uint32_t bytes = 0;
-};
-
 // Requirements (checked by the caller): K % 8 == 0, ldx % 8 == 0, ldw % 8 == 0, x and w 16-byte
 // aligned, 1 <= M <= 8 * NT; pf_bytes a multiple of 16 with kpre + pf_bytes / 2 no larger than a
 // block's K range (or 0). Dynamic shared memory: skinny_smem_bytes<WARPS, NT, U, S, CS>().
@@ -130,7 +110,7 @@ template <int WARPS, int NT, int U, int S, bool GLU, bool SPLIT, int CS, bool PE
 __global__ void __launch_bounds__(WARPS * 32)
     skinny_gemm_kernel(const bf16* __restrict__ x, int64_t ldx, int64_t glu_off, int M, const bf16* __restrict__ w,
                        int64_t ldw, int N, int K, uint32_t pf_bytes, ParamView bias, bool has_bias,
-                       OutT* __restrict__ out, int64_t ldo, SplitKScratch scratch, L2Warm warm) {
+                       OutT* __restrict__ out, int64_t ldo, SplitKScratch scratch) {
   static_assert(!(SPLIT && CS > 1), "split-K over the grid or over a cluster, not both");
   static_assert(!(PERSIST && (SPLIT || CS > 1)), "persistent blocks take whole tiles");
   pdl_launch_dependents();
@@ -233,48 +213,51 @@ __global__ void __launch_bounds__(WARPS * 32)
     store_out(out + int64_t(tok) * ldo + n, sum);
   };
 
-  // This block's share of the warm-up of the next linear: units (row, split) q, q + nq, ... over
-  // the threads, q the block's index in the last wave.
-  auto warm_next = [&] {
-    const int b = int(blockIdx.x + gridDim.x * blockIdx.y) - warm.from_block;
-    if (warm.bytes == 0 || b < 0) return;
-    const int nq = int(gridDim.x * gridDim.y) - warm.from_block, units = warm.rows * warm.splits;
-    for (int u = b + nq * tid; u < units; u += nq * NTH) {
-      const int r = u / warm.splits, c = int(int64_t(warm.nchunks) * (u % warm.splits) / warm.splits);
-      prefetch_l2(warm.w + int64_t(r) * warm.ldw + c * 32, warm.bytes);
-    }
-  };
-  // The warm-up goes out once the block's last stage is issued (st + S - 1 == stages below).
-  const int warm_at = stages - (S - 1);
-
   clear_acc();
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) issue(s);
   if (tid < 16 && pf_bytes > 0 && n0 + tid < N)
     prefetch_l2(w + int64_t(n0 + tid) * ldw + c_lo * 32 + skinny_prologue_k<WARPS, U, S>(), pf_bytes);
-  if (warm_at <= 0) warm_next();
-  pdl_wait();  // earlier kernels have completed: x may be read, out written
+  // x one stage ahead: its loads (L2, written by the kernel before) go out before the current
+  // stage's products, so their latency overlaps that stage instead of stalling every stage once.
+  // GLU: the gate and up pieces, combined when the stage is used.
+  constexpr int XV = GLU ? 2 : 1;
   const uint4 zero = make_uint4(0, 0, 0, 0);
+  uint4 xnext[U][NT][XV];
+  auto load_x = [&](int st) {
+    const int it = PERSIST ? st % iters : st;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c_lo + warp + WARPS * (it * U + u);
+      const bool in = st < stages && piece_in(c);
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int v = 0; v < XV; ++v)
+          xnext[u][j][v] =
+              in && tok_ok[j] ? __ldg(reinterpret_cast<const uint4*>(xr[j] + v * glu_off + c * 32)) : zero;
+    }
+  };
+  pdl_wait();  // earlier kernels have completed: x may be read, out written
+  load_x(0);
   for (int st = 0; st < stages; ++st) {
+    uint4 xv[U][NT];  // this stage's x
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int j = 0; j < NT; ++j) xv[u][j] = GLU ? swiglu8(xnext[u][j][0], xnext[u][j][XV - 1]) : xnext[u][j][0];
+    load_x(st + 1);
     cp_async_wait<S - 2>();  // stage `st` has landed
-    if (st == warm_at) warm_next();
     issue(st + S - 1);       // refills the slot read in the previous iteration
     const uint4* slot = wring + (st % S) * U * 2 * NTH + tid;
     const int it = PERSIST ? st % iters : st;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int c = c_lo + warp + WARPS * (it * U + u);
-      const bool in = piece_in(c);
       const uint4 wa = slot[(2 * u) * NTH], wb = slot[(2 * u + 1) * NTH];
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
-        uint4 xv = zero;
-        if (in && tok_ok[j]) {
-          xv = __ldg(reinterpret_cast<const uint4*>(xr[j] + c * 32));
-          if constexpr (GLU) xv = swiglu8(xv, __ldg(reinterpret_cast<const uint4*>(xr[j] + glu_off + c * 32)));
-        }
-        mma_16816(acc[j], wa.x, wb.x, wa.y, wb.y, xv.x, xv.y);  // k = 8t + {0,1 | 2,3}
-        mma_16816(acc[j], wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);  // k = 8t + {4,5 | 6,7}
+        mma_16816(acc[j], wa.x, wb.x, wa.y, wb.y, xv[u][j].x, xv[u][j].y);  // k = 8t + {0,1 | 2,3}
+        mma_16816(acc[j], wa.z, wb.z, wa.w, wb.w, xv[u][j].z, xv[u][j].w);  // k = 8t + {4,5 | 6,7}
       }
     }
     if constexpr (PERSIST) {
@@ -397,7 +380,6 @@ struct SkinnyPlan {
   int cs = 1;            // blocks of a cluster sharing one row tile's K; 1: none
   bool wide = false;     // 16 warps per block instead of 8
   bool persist = false;  // persistent blocks
-  int persist_per_sm = 0;  // at most this many persistent blocks per SM (0: as many as fit)
   int splits() const { return ksplit * cs; }
 };
 
@@ -459,28 +441,20 @@ int64_t skinny_split_span(int K, int splits) {
   return splits > 1 ? int64_t((K + 31) / 32 / splits - 1) * 32 : K;
 }
 
-// Persistent blocks per SM of a plan whose kernel fits per_sm blocks on an SM.
-int skinny_persist_per_sm(const SkinnyPlan& p, int per_sm) {
-  return p.persist_per_sm > 0 ? std::min(per_sm, p.persist_per_sm) : per_sm;
-}
-
 // The grid of a launch: row tiles times blocks per cluster, by K splits; persistent: as many blocks
-// as may run on the device at once (skinny_persist_per_sm), at most one per tile.
+// as fit on the device at once (per_sm each on sm_count SMs), at most one per tile.
 dim3 skinny_grid(const SkinnyPlan& p, int N, int per_sm, int sm_count) {
   const unsigned tiles = unsigned((N + 15) / 16);
-  const unsigned x = p.persist ? std::min(tiles, unsigned(skinny_persist_per_sm(p, per_sm) * sm_count))
-                               : tiles * unsigned(p.cs);
+  const unsigned x = p.persist ? std::min(tiles, unsigned(per_sm * sm_count)) : tiles * unsigned(p.cs);
   return dim3(x, unsigned(p.ksplit));
 }
 
 template <class Cfg, bool GLU, class OutT>
 void launch_skinny_cfg(const bf16* x, int64_t ldx, int64_t glu_off, int M, const bf16* w, int64_t ldw, int N, int K,
                        ParamView bias, bool has_bias, OutT* out, int64_t ldo, const SkinnyPlan& p,
-                       SplitKScratch scratch, L2Warm warm, const LaunchCtx& ctx, int sm_count) {
+                       SplitKScratch scratch, const LaunchCtx& ctx, int sm_count) {
   const int per_sm = skinny_blocks_per_sm<Cfg, GLU, OutT>();
   const dim3 grid = skinny_grid(p, N, per_sm, sm_count);
-  // The warm-up of the next linear goes to the last wave of blocks.
-  warm.from_block = std::max(0, int(grid.x * grid.y) - per_sm * sm_count);
   // L2 prefetch per row: the rest of the block's K range after the prologue, within the budget;
   // whole 128-byte lines; none when it would be too little to matter (many rows).
   constexpr int kpre = skinny_prologue_k<Cfg::WARPS, Cfg::U, Cfg::S>();
@@ -490,7 +464,7 @@ void launch_skinny_cfg(const bf16* x, int64_t ldx, int64_t glu_off, int M, const
   if (pf < 1024) pf = 0;
   launch_pdl_cluster(ctx, "skinny_gemm_kernel", Cfg::CS > 1 ? unsigned(Cfg::CS) : 0u, Cfg::template kernel<GLU, OutT>(),
                      grid, Cfg::WARPS * 32, Cfg::smem, x, ldx, glu_off, M, w, ldw, N, K, uint32_t(pf), bias, has_bias,
-                     out, ldo, scratch, warm);
+                     out, ldo, scratch);
 }
 
 // The carving of CudaBackend::splitk_scratch_.
@@ -533,15 +507,13 @@ bool skinny_persistent(int tiles, int sm_count, int mode) {
 // The launch of an [N, K] weight: split-K over the grid only when asked for; few blocks (N = 2560
 // without split-K: 160 tiles on 132 SMs) cannot keep enough bytes in flight with 8 warps per block,
 // so they get 16 warps, or cluster split-K; persistent blocks for many tiles (no split-K).
-SkinnyPlan skinny_plan(int N, int K, int sm_count, int ksplit_mode, int cluster_mode, int persistent_mode,
-                       int persist_per_sm) {
+SkinnyPlan skinny_plan(int N, int K, int sm_count, int ksplit_mode, int cluster_mode, int persistent_mode) {
   SkinnyPlan p;
   const int tiles = (N + 15) / 16, nchunks = (K + 31) / 32;
   p.ksplit = skinny_ksplit(tiles, nchunks, ksplit_mode);
   p.wide = int64_t(tiles) * p.ksplit < 4 * sm_count;
   p.cs = skinny_cluster(p.wide, tiles, sm_count, p.ksplit, nchunks, cluster_mode);
   p.persist = p.cs == 1 && p.ksplit == 1 && !p.wide && skinny_persistent(tiles, sm_count, persistent_mode);
-  p.persist_per_sm = persist_per_sm;
   return p;
 }
 
@@ -554,39 +526,11 @@ bool skinny_weight_ok(const Tensor& w) {
 template <bool GLU, class OutT>
 void launch_skinny(const bf16* x, int64_t ldx, int64_t glu_off, int M, const bf16* w, int64_t ldw, int N, int K,
                    ParamView bias, bool has_bias, OutT* out, int64_t ldo, const SkinnyPlan& p, SplitKScratch scratch,
-                   const L2Warm& warm, const LaunchCtx& ctx, int sm_count) {
+                   const LaunchCtx& ctx, int sm_count) {
   visit_skinny(p, M, [&](auto cfg) {
-    launch_skinny_cfg<decltype(cfg), GLU>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, p, scratch, warm,
-                                          ctx, sm_count);
+    launch_skinny_cfg<decltype(cfg), GLU>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, p, scratch, ctx,
+                                          sm_count);
   });
-}
-
-// The warm-up of `next` (the weight of the linear after this one, for M tokens) that a skinny GEMM
-// issues at its end: per row and K split of the tiles that the next one's first resident blocks
-// take, the first bytes of their range, `budget` bytes in all, in whole 128-byte lines. None for a
-// weight that will not take the skinny GEMM, nor for split-K over the grid (its first blocks take
-// every tile's first split; never a default).
-L2Warm skinny_warm(const Tensor& next, int M, int64_t budget, int sm_count, int ksplit_mode, int cluster_mode,
-                   int persistent_mode, int persist_per_sm) {
-  L2Warm warm;
-  if (!next.defined() || budget <= 0 || M < 1 || M > 16 || !skinny_weight_ok(next)) return warm;
-  const int N = int(next.dim(0)), K = int(next.dim(1));
-  const SkinnyPlan p = skinny_plan(N, K, sm_count, ksplit_mode, cluster_mode, persistent_mode, persist_per_sm);
-  if (p.ksplit > 1) return warm;
-  int per_sm = 1;
-  visit_skinny(p, M, [&](auto cfg) { per_sm = skinny_blocks_per_sm<decltype(cfg), false, bf16>(); });
-  if (p.persist) per_sm = skinny_persist_per_sm(p, per_sm);
-  const int rows = int(std::min<int64_t>(N, int64_t(per_sm) * sm_count / p.cs * 16));
-  const int64_t span = skinny_split_span(K, p.cs) * int64_t(sizeof(bf16));
-  const int64_t bytes = std::min(span, budget / (int64_t(rows) * p.cs)) & ~int64_t(127);
-  if (bytes == 0) return warm;
-  warm.w = next.ptr<bf16>();
-  warm.ldw = next.row_stride;
-  warm.rows = rows;
-  warm.splits = p.cs;
-  warm.nchunks = (K + 31) / 32;
-  warm.bytes = uint32_t(bytes);
-  return warm;
 }
 
 template <class OutT>
@@ -629,17 +573,14 @@ void CudaBackend::linear(const Tensor& x, const LinearWeight& lw, const Tensor& 
   const bool out_bf16 = out.dtype == DType::BF16;
 
   if (M <= 16 && skinny_weight_ok(w) && ldx % 8 == 0 && aligned16(xp)) {
-    const SkinnyPlan plan = skinny_plan(int(N), int(K), sm_count_, skinny_ksplit_, skinny_cluster_, skinny_persistent_,
-                                            skinny_persist_per_sm_);
-    const L2Warm warm = skinny_warm(lw.next_weight, int(M), l2_warm_bytes_, sm_count_, skinny_ksplit_, skinny_cluster_,
-                                    skinny_persistent_, skinny_persist_per_sm_);
+    const SkinnyPlan plan = skinny_plan(int(N), int(K), sm_count_, skinny_ksplit_, skinny_cluster_, skinny_persistent_);
     const SplitKScratch scratch = splitk_scratch(splitk_scratch_);
     if (out_bf16)
       launch_skinny<false>(xp, ldx, 0, int(M), wp, ldw, int(N), int(K), bias, has_bias, out.ptr<bf16>(), ldo, plan,
-                           scratch, warm, launch_ctx(), sm_count_);
+                           scratch, launch_ctx(), sm_count_);
     else
       launch_skinny<false>(xp, ldx, 0, int(M), wp, ldw, int(N), int(K), bias, has_bias, out.ptr<float>(), ldo, plan,
-                           scratch, warm, launch_ctx(), sm_count_);
+                           scratch, launch_ctx(), sm_count_);
     return;
   }
   if (M > 16 && out_bf16 && K > 0 &&
@@ -678,12 +619,9 @@ void CudaBackend::linear_swiglu(const Tensor& gate_up, const LinearWeight& lw, c
   }
   activate();
   const int N = int(lw.weight.dim(0));
-  const SkinnyPlan plan = skinny_plan(N, int(I), sm_count_, skinny_ksplit_, skinny_cluster_, skinny_persistent_,
-                                          skinny_persist_per_sm_);
-  const L2Warm warm = skinny_warm(lw.next_weight, int(M), l2_warm_bytes_, sm_count_, skinny_ksplit_, skinny_cluster_,
-                                  skinny_persistent_, skinny_persist_per_sm_);
+  const SkinnyPlan plan = skinny_plan(N, int(I), sm_count_, skinny_ksplit_, skinny_cluster_, skinny_persistent_);
   launch_skinny<true>(xp, gate_up.row_stride, I, int(M), wp, lw.weight.row_stride, N, int(I), ParamView{}, false,
-                      out.ptr<bf16>(), out.row_stride, plan, splitk_scratch(splitk_scratch_), warm, launch_ctx(),
+                      out.ptr<bf16>(), out.row_stride, plan, splitk_scratch(splitk_scratch_), launch_ctx(),
                       sm_count_);
 }
 
