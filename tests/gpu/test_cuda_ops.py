@@ -280,6 +280,23 @@ def test_dependent_op_chain(cpu, monkeypatch, M, H, I, ksplit, cluster, persiste
     np.testing.assert_array_equal(got["0"][1], got_out)
 
 
+@pytest.mark.parametrize("M,H,I", CHAIN_CASES[:3])
+def test_chain_persistent_cap(monkeypatch, M, H, I):
+    """Persistent blocks capped at 2 per SM (OCRIA_RT_SKINNY_PERSIST_PER_SM, room for the next
+    kernel's blocks) in the chain: gate_up's 576 tiles spread over fewer blocks, the same bits."""
+    rng = np.random.default_rng(M * 3 + H + I)
+    res, delta = randn(rng, M, H, scale=3), randn(rng, M, H)
+    norm_w = randn(rng, H, scale=0.1)
+    w_gate_up, w_down = randn(rng, 2 * I, H, scale=H ** -0.5), randn(rng, H, I, scale=I ** -0.5)
+    args = (res, delta, norm_w, w_gate_up, w_down, 3, 1e-6)
+    got = {}
+    for cap in ("", "2"):
+        monkeypatch.setenv("OCRIA_RT_SKINNY_PERSIST_PER_SM", cap)
+        got[cap] = _core.OpRunner("cuda").mlp_chain(*args)
+    np.testing.assert_array_equal(got["2"][0], got[""][0])
+    np.testing.assert_array_equal(got["2"][1], got[""][1])
+
+
 # ---- attention: prepare (norms, RoPE, cache write) and split-K decode / simple prefill ----
 
 ATTN_CASES = [

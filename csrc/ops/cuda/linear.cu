@@ -380,6 +380,7 @@ struct SkinnyPlan {
   int cs = 1;            // blocks of a cluster sharing one row tile's K; 1: none
   bool wide = false;     // 16 warps per block instead of 8
   bool persist = false;  // persistent blocks
+  int persist_per_sm = 0;  // at most this many persistent blocks per SM (0: as many as fit)
   int splits() const { return ksplit * cs; }
 };
 
@@ -442,9 +443,10 @@ int64_t skinny_split_span(int K, int splits) {
 }
 
 // The grid of a launch: row tiles times blocks per cluster, by K splits; persistent: as many blocks
-// as fit on the device at once (per_sm each on sm_count SMs), at most one per tile.
+// as fit on the device at once (per_sm each on sm_count SMs, or the plan's cap), at most one per tile.
 dim3 skinny_grid(const SkinnyPlan& p, int N, int per_sm, int sm_count) {
   const unsigned tiles = unsigned((N + 15) / 16);
+  if (p.persist_per_sm > 0) per_sm = std::min(per_sm, p.persist_per_sm);
   const unsigned x = p.persist ? std::min(tiles, unsigned(per_sm * sm_count)) : tiles * unsigned(p.cs);
   return dim3(x, unsigned(p.ksplit));
 }
@@ -507,13 +509,15 @@ bool skinny_persistent(int tiles, int sm_count, int mode) {
 // The launch of an [N, K] weight: split-K over the grid only when asked for; few blocks (N = 2560
 // without split-K: 160 tiles on 132 SMs) cannot keep enough bytes in flight with 8 warps per block,
 // so they get 16 warps, or cluster split-K; persistent blocks for many tiles (no split-K).
-SkinnyPlan skinny_plan(int N, int K, int sm_count, int ksplit_mode, int cluster_mode, int persistent_mode) {
+SkinnyPlan skinny_plan(int N, int K, int sm_count, int ksplit_mode, int cluster_mode, int persistent_mode,
+                       int persist_per_sm) {
   SkinnyPlan p;
   const int tiles = (N + 15) / 16, nchunks = (K + 31) / 32;
   p.ksplit = skinny_ksplit(tiles, nchunks, ksplit_mode);
   p.wide = int64_t(tiles) * p.ksplit < 4 * sm_count;
   p.cs = skinny_cluster(p.wide, tiles, sm_count, p.ksplit, nchunks, cluster_mode);
   p.persist = p.cs == 1 && p.ksplit == 1 && !p.wide && skinny_persistent(tiles, sm_count, persistent_mode);
+  p.persist_per_sm = persist_per_sm;
   return p;
 }
 
@@ -573,7 +577,8 @@ void CudaBackend::linear(const Tensor& x, const LinearWeight& lw, const Tensor& 
   const bool out_bf16 = out.dtype == DType::BF16;
 
   if (M <= 16 && skinny_weight_ok(w) && ldx % 8 == 0 && aligned16(xp)) {
-    const SkinnyPlan plan = skinny_plan(int(N), int(K), sm_count_, skinny_ksplit_, skinny_cluster_, skinny_persistent_);
+    const SkinnyPlan plan = skinny_plan(int(N), int(K), sm_count_, skinny_ksplit_, skinny_cluster_, skinny_persistent_,
+                                            skinny_persist_per_sm_);
     const SplitKScratch scratch = splitk_scratch(splitk_scratch_);
     if (out_bf16)
       launch_skinny<false>(xp, ldx, 0, int(M), wp, ldw, int(N), int(K), bias, has_bias, out.ptr<bf16>(), ldo, plan,
@@ -619,7 +624,8 @@ void CudaBackend::linear_swiglu(const Tensor& gate_up, const LinearWeight& lw, c
   }
   activate();
   const int N = int(lw.weight.dim(0));
-  const SkinnyPlan plan = skinny_plan(N, int(I), sm_count_, skinny_ksplit_, skinny_cluster_, skinny_persistent_);
+  const SkinnyPlan plan = skinny_plan(N, int(I), sm_count_, skinny_ksplit_, skinny_cluster_, skinny_persistent_,
+                                          skinny_persist_per_sm_);
   launch_skinny<true>(xp, gate_up.row_stride, I, int(M), wp, lw.weight.row_stride, N, int(I), ParamView{}, false,
                       out.ptr<bf16>(), out.row_stride, plan, splitk_scratch(splitk_scratch_), launch_ctx(),
                       sm_count_);
