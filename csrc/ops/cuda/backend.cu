@@ -109,8 +109,6 @@ CudaBackend::CudaBackend(int device_index) : device_(device_index) {
   skinny_cluster_ = cluster_env && *cluster_env ? std::max(0, std::atoi(cluster_env)) : kSkinnyAuto;
   const char* persistent_env = std::getenv("OCRIA_RT_SKINNY_PERSISTENT");
   skinny_persistent_ = persistent_env && *persistent_env ? int(std::strcmp(persistent_env, "1") == 0) : kSkinnyAuto;
-  const char* per_sm_env = std::getenv("OCRIA_RT_SKINNY_PERSIST_PER_SM");
-  skinny_persist_per_sm_ = per_sm_env ? std::max(0, std::atoi(per_sm_env)) : 0;
   int count = 0;
   check_cuda(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
   if (device_index < 0 || device_index >= count)

@@ -319,9 +319,6 @@ class CudaBackend final : public Backend {
   // tiles, anything else: never.
   int skinny_cluster_ = kSkinnyAuto;
   int skinny_persistent_ = kSkinnyAuto;
-  // OCRIA_RT_SKINNY_PERSIST_PER_SM = n > 0: at most n persistent blocks per SM, which leaves room for
-  // the next kernel's blocks to become resident (and start streaming) early; unset or 0: as many as fit.
-  int skinny_persist_per_sm_ = 0;
   cudaStream_t stream_ = nullptr;
   // Op scratch, shared by all ops: kernels on the one stream only touch it after pdl_wait(), when
   // every earlier kernel has completed.

@@ -380,7 +380,6 @@ struct SkinnyPlan {
   int cs = 1;            // blocks of a cluster sharing one row tile's K; 1: none
   bool wide = false;     // 16 warps per block instead of 8
   bool persist = false;  // persistent blocks
-  int persist_per_sm = 0;  // at most this many persistent blocks per SM (0: as many as fit)
   int splits() const { return ksplit * cs; }
 };
 
@@ -443,10 +442,9 @@ int64_t skinny_split_span(int K, int splits) {
 }
 
 // The grid of a launch: row tiles times blocks per cluster, by K splits; persistent: as many blocks
-// as fit on the device at once (per_sm each on sm_count SMs, or the plan's cap), at most one per tile.
+// as fit on the device at once (per_sm each on sm_count SMs), at most one per tile.
 dim3 skinny_grid(const SkinnyPlan& p, int N, int per_sm, int sm_count) {
   const unsigned tiles = unsigned((N + 15) / 16);
-  if (p.persist_per_sm > 0) per_sm = std::min(per_sm, p.persist_per_sm);
   const unsigned x = p.persist ? std::min(tiles, unsigned(per_sm * sm_count)) : tiles * unsigned(p.cs);
   return dim3(x, unsigned(p.ksplit));
 }
@@ -488,13 +486,14 @@ int skinny_ksplit(int tiles, int nchunks, int mode) {
 // OCRIA_RT_SKINNY_CLUSTER (2 or 4 ask for it, another number never), used for few row tiles (`wide`,
 // below) when no split-K over the grid is asked for and every block gets at least one 32-wide chunk.
 // Auto: 2 for between one and two tiles per SM, where one block per tile leaves some SMs with twice
-// the bytes of the others (N = 2560: 160 tiles on 132 SMs; H200, bench/results: MLP down 17.0 ->
-// 15.8 us at M = 1, 27.0 -> 20.4 at M = 16), and for at most half a tile per SM, where one block per
-// tile leaves SMs idle (N = 1024: 64 tiles). Between one and two blocks per SM (Qwen3.5-0.8B's 320-514
-// tiles) it measured slower in decode (990 -> 917 tokens/s), and so did 4 blocks.
+// the bytes of the others (N = 2560: 160 tiles on 132 SMs; H200, bench/results: 4B decode 355.2
+// tokens/s with, 346.9 without). Not for at most half a tile per SM (Qwen3.5-0.8B's N = 1024: 64
+// tiles), where it measured faster (+3.9%) until x was loaded a stage ahead, and slower since (1059
+// against 1107 tokens/s); nor between one and two blocks per SM (the 0.8B's 320-514 tiles: 990 -> 917
+// tokens/s); 4 blocks measured slower everywhere.
 int skinny_cluster(bool wide, int tiles, int sm_count, int ksplit, int nchunks, int mode) {
-  const bool uneven = tiles >= sm_count && tiles < 2 * sm_count, few = 2 * tiles <= sm_count;
-  const int cs = mode == CudaBackend::kSkinnyAuto ? (uneven || few ? 2 : 1) : mode;
+  const bool uneven = tiles >= sm_count && tiles < 2 * sm_count;
+  const int cs = mode == CudaBackend::kSkinnyAuto ? (uneven ? 2 : 1) : mode;
   return wide && ksplit == 1 && (cs == 2 || cs == 4) && nchunks >= cs ? cs : 1;
 }
 
@@ -509,15 +508,13 @@ bool skinny_persistent(int tiles, int sm_count, int mode) {
 // The launch of an [N, K] weight: split-K over the grid only when asked for; few blocks (N = 2560
 // without split-K: 160 tiles on 132 SMs) cannot keep enough bytes in flight with 8 warps per block,
 // so they get 16 warps, or cluster split-K; persistent blocks for many tiles (no split-K).
-SkinnyPlan skinny_plan(int N, int K, int sm_count, int ksplit_mode, int cluster_mode, int persistent_mode,
-                       int persist_per_sm) {
+SkinnyPlan skinny_plan(int N, int K, int sm_count, int ksplit_mode, int cluster_mode, int persistent_mode) {
   SkinnyPlan p;
   const int tiles = (N + 15) / 16, nchunks = (K + 31) / 32;
   p.ksplit = skinny_ksplit(tiles, nchunks, ksplit_mode);
   p.wide = int64_t(tiles) * p.ksplit < 4 * sm_count;
   p.cs = skinny_cluster(p.wide, tiles, sm_count, p.ksplit, nchunks, cluster_mode);
   p.persist = p.cs == 1 && p.ksplit == 1 && !p.wide && skinny_persistent(tiles, sm_count, persistent_mode);
-  p.persist_per_sm = persist_per_sm;
   return p;
 }
 
@@ -577,8 +574,7 @@ void CudaBackend::linear(const Tensor& x, const LinearWeight& lw, const Tensor& 
   const bool out_bf16 = out.dtype == DType::BF16;
 
   if (M <= 16 && skinny_weight_ok(w) && ldx % 8 == 0 && aligned16(xp)) {
-    const SkinnyPlan plan = skinny_plan(int(N), int(K), sm_count_, skinny_ksplit_, skinny_cluster_, skinny_persistent_,
-                                            skinny_persist_per_sm_);
+    const SkinnyPlan plan = skinny_plan(int(N), int(K), sm_count_, skinny_ksplit_, skinny_cluster_, skinny_persistent_);
     const SplitKScratch scratch = splitk_scratch(splitk_scratch_);
     if (out_bf16)
       launch_skinny<false>(xp, ldx, 0, int(M), wp, ldw, int(N), int(K), bias, has_bias, out.ptr<bf16>(), ldo, plan,
@@ -624,8 +620,7 @@ void CudaBackend::linear_swiglu(const Tensor& gate_up, const LinearWeight& lw, c
   }
   activate();
   const int N = int(lw.weight.dim(0));
-  const SkinnyPlan plan = skinny_plan(N, int(I), sm_count_, skinny_ksplit_, skinny_cluster_, skinny_persistent_,
-                                          skinny_persist_per_sm_);
+  const SkinnyPlan plan = skinny_plan(N, int(I), sm_count_, skinny_ksplit_, skinny_cluster_, skinny_persistent_);
   launch_skinny<true>(xp, gate_up.row_stride, I, int(M), wp, lw.weight.row_stride, N, int(I), ParamView{}, false,
                       out.ptr<bf16>(), out.row_stride, plan, splitk_scratch(splitk_scratch_), launch_ctx(),
                       sm_count_);
