@@ -37,8 +37,11 @@ namespace {
 // Loads in flight: W goes through a per-thread ring of S shared-memory stages of U chunks, filled by
 // cp.async (16 bytes each, L2 only, zero-filled past the edges), so that (S - 1) * U chunks of every
 // thread are in flight while it multiplies the oldest stage. A thread only reads back what it copied
-// itself, so the ring needs cp.async.wait_group but no barrier. x (at most 16 rows, reused by every
-// block) is read straight from L1.
+// itself, so the ring needs cp.async.wait_group but no barrier. x (at most 16 rows, read by every
+// block) goes to registers one stage ahead of its use: its first reads in a block come from L2, which
+// the weight stream keeps busy, and loaded only after the stage's wait they stalled every stage once
+// (the linears whose blocks re-read x from L1 streamed at 92-105% of copy bandwidth, those reading it
+// from L2 at every stage at 63-70%; now 74-99%, bench/results, tenth session).
 //
 // Programmatic dependent launch: W is read-only, so a block issues the ring's first S - 1 stages
 // (K range [0, kpre) of its own K range, kpre = (S - 1) * U * WARPS * 32) and an L2 prefetch of the
@@ -218,9 +221,8 @@ __global__ void __launch_bounds__(WARPS * 32)
   for (int s = 0; s < S - 1; ++s) issue(s);
   if (tid < 16 && pf_bytes > 0 && n0 + tid < N)
     prefetch_l2(w + int64_t(n0 + tid) * ldw + c_lo * 32 + skinny_prologue_k<WARPS, U, S>(), pf_bytes);
-  // x one stage ahead: its loads (L2, written by the kernel before) go out before the current
-  // stage's products, so their latency overlaps that stage instead of stalling every stage once.
-  // GLU: the gate and up pieces, combined when the stage is used.
+  // x one stage ahead (see the top of the file): stage st + 1's loads go out before stage st's
+  // products. GLU: the gate and up pieces, combined when their stage is used.
   constexpr int XV = GLU ? 2 : 1;
   const uint4 zero = make_uint4(0, 0, 0, 0);
   uint4 xnext[U][NT][XV];
@@ -380,7 +382,6 @@ struct SkinnyPlan {
   int cs = 1;            // blocks of a cluster sharing one row tile's K; 1: none
   bool wide = false;     // 16 warps per block instead of 8
   bool persist = false;  // persistent blocks
-  int splits() const { return ksplit * cs; }
 };
 
 // skinny_gemm_kernel's template parameters other than GLU and the output type. Ring sizes: 64 KiB
@@ -435,12 +436,6 @@ template <class Cfg, bool GLU, class OutT> int skinny_blocks_per_sm() {
   return per_sm;
 }
 
-// The K elements every split's range holds at least from its first chunk on (the shortest range,
-// less one chunk for the last one's ragged end); K without splits.
-int64_t skinny_split_span(int K, int splits) {
-  return splits > 1 ? int64_t((K + 31) / 32 / splits - 1) * 32 : K;
-}
-
 // The grid of a launch: row tiles times blocks per cluster, by K splits; persistent: as many blocks
 // as fit on the device at once (per_sm each on sm_count SMs), at most one per tile.
 dim3 skinny_grid(const SkinnyPlan& p, int N, int per_sm, int sm_count) {
@@ -455,12 +450,14 @@ void launch_skinny_cfg(const bf16* x, int64_t ldx, int64_t glu_off, int M, const
                        SplitKScratch scratch, const LaunchCtx& ctx, int sm_count) {
   const int per_sm = skinny_blocks_per_sm<Cfg, GLU, OutT>();
   const dim3 grid = skinny_grid(p, N, per_sm, sm_count);
-  // L2 prefetch per row: the rest of the block's K range after the prologue, within the budget;
-  // whole 128-byte lines; none when it would be too little to matter (many rows).
+  // L2 prefetch per row: the rest of the block's K range after the prologue (the shortest range of
+  // a split, less one chunk for the last one's ragged end), within the budget; whole 128-byte
+  // lines; none when it would be too little to matter (many rows).
   constexpr int kpre = skinny_prologue_k<Cfg::WARPS, Cfg::U, Cfg::S>();
-  const int64_t kspan = skinny_split_span(K, p.splits());
+  const int splits = p.ksplit * p.cs;
+  const int64_t kspan = splits > 1 ? int64_t((K + 31) / 32 / splits - 1) * 32 : K;
   const int64_t rest = kspan > kpre ? (kspan - kpre) * int64_t(sizeof(bf16)) : 0;
-  int64_t pf = std::min(rest, kL2PrefetchBudget / (int64_t(N) * p.splits())) & ~int64_t(127);
+  int64_t pf = std::min(rest, kL2PrefetchBudget / (int64_t(N) * splits)) & ~int64_t(127);
   if (pf < 1024) pf = 0;
   launch_pdl_cluster(ctx, "skinny_gemm_kernel", Cfg::CS > 1 ? unsigned(Cfg::CS) : 0u, Cfg::template kernel<GLU, OutT>(),
                      grid, Cfg::WARPS * 32, Cfg::smem, x, ldx, glu_off, M, w, ldw, N, K, uint32_t(pf), bias, has_bias,
@@ -518,7 +515,8 @@ SkinnyPlan skinny_plan(int N, int K, int sm_count, int ksplit_mode, int cluster_
   return p;
 }
 
-// Whether a weight [N, K] can take the skinny GEMM (with an input of 16-byte aligned rows).
+// Whether a weight [N, K] meets the skinny GEMM's requirements (K > 0, K and the row stride multiples
+// of 8, 16-byte aligned); its input must meet them too.
 bool skinny_weight_ok(const Tensor& w) {
   return w.dtype == DType::BF16 && w.ndim == 2 && w.dim(1) > 0 && w.dim(1) % 8 == 0 && w.row_stride % 8 == 0 &&
          aligned16(w.data);
