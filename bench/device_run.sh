@@ -9,7 +9,8 @@
 # build parallelism: CMAKE_BUILD_PARALLEL_LEVEL; OCRIA_RT_SKIP_BUILD=1 uses what an earlier run installed.
 #
 # Dependencies the machine lacks come as wheels in .wheels/ (nvidia-cutlass for the CUTLASS headers,
-# flash-linear-attention + fla-core for the benchmark peer); everything else (torch, transformers,
+# flash-linear-attention + fla-core for the benchmark peer, pypdfium2 for the tests that parse the
+# shipped sample PDF); everything else (torch, transformers,
 # numpy, pybind11, scikit-build-core, cmake, ninja, nvcc) must already be there.
 set -uo pipefail
 OUT_DIR=${1:?usage: bench/device_run.sh OUT_DIR [steps...]}
