@@ -120,8 +120,8 @@ __device__ __forceinline__ float gated_norm_out(float o, float inv, float w, flo
 // ---- gdn_recurrent ----
 
 // L2 prefetch, before pdl_wait(), of the R rows of S a warp holds (its 32 columns from `first`, rows
-// dv apart; none where they start past dv), one line per lane: S was last written by the same layer in the previous step, so its DRAM
-// reads may start while the kernels before this one run.
+// dv apart; none where they start past dv), one line per lane: S was last written by the same layer
+// in the previous step, so its DRAM reads may start while the kernels before this one run.
 template <int R>
 __device__ __forceinline__ void prefetch_state_rows(const float* first, int dv, bool cols_ok, int lane) {
   if (cols_ok)
