@@ -39,8 +39,8 @@ def prefill_flops(c: dict, n: int) -> float:
 
 def engine_linears(c: dict) -> list[dict]:
     """The weight streams of one decode step as the engine fuses them (csrc/model/qwen35.h): name, N
-    (outputs), K (inputs), how many per step, and whether the MLP activation is fused into the load
-    (the skinny GEMM's GLU template argument)."""
+    (outputs), K (inputs), how many per step, and whether it is linear_glu, the MLP activation
+    applied as the skinny GEMM stores (its GLU template argument)."""
     H, I, hd = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     Hq, Hkv = c["num_attention_heads"], c["num_key_value_heads"]
     HK, HV, dk, dv = c["linear_num_key_heads"], c["linear_num_value_heads"], c["linear_key_head_dim"], c["linear_value_head_dim"]
@@ -50,8 +50,8 @@ def engine_linears(c: dict) -> list[dict]:
             dict(name="attn o", N=H, K=Hq * hd, count=n_attn, glu=False),
             dict(name="gdn in_proj", N=2 * HK * dk + 2 * HV * dv + 2 * HV, K=H, count=L - n_attn, glu=False),
             dict(name="gdn out", N=H, K=HV * dv, count=L - n_attn, glu=False),
-            dict(name="mlp gate_up", N=2 * I, K=H, count=L, glu=False),
-            dict(name="mlp down", N=H, K=I, count=L, glu=True),
+            dict(name="mlp gate_up", N=2 * I, K=H, count=L, glu=True),
+            dict(name="mlp down", N=H, K=I, count=L, glu=False),
             dict(name="lm_head", N=c["vocab_size"], K=H, count=1, glu=False)]
 
 

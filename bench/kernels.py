@@ -40,14 +40,14 @@ HQ, HKV, HD = C["num_attention_heads"], C["num_key_value_heads"], C["head_dim"]
 HK, HV, DK, DV = (C["linear_num_key_heads"], C["linear_num_value_heads"], C["linear_key_head_dim"],
                   C["linear_value_head_dim"])
 
-LINEAR_SHAPES = [  # name, N (out), K (in)
-    ("gdn qkvzba (fused in_proj)", 2 * HK * DK + HV * DV * 2 + 2 * HV, H),  # 12352
-    ("attn qkv (fused q|gate, k, v)", HQ * HD * 2 + 2 * HKV * HD, H),  # 10240
-    ("attn o_proj", H, HQ * HD),  # 2560 x 4096
-    ("gdn out_proj", H, HV * DV),  # 2560 x 4096
-    ("mlp gate_up", 2 * I, H),  # 18432 x 2560
-    ("mlp down", H, I),  # 2560 x 9216
-    ("lm_head", V, H),  # 248320 x 2560
+LINEAR_SHAPES = [  # name, N (out), K (in), GLU (linear_glu: out [M, N / 2] = silu(gate) * up)
+    ("gdn qkvzba (fused in_proj)", 2 * HK * DK + HV * DV * 2 + 2 * HV, H, False),  # 12352
+    ("attn qkv (fused q|gate, k, v)", HQ * HD * 2 + 2 * HKV * HD, H, False),  # 10240
+    ("attn o_proj", H, HQ * HD, False),  # 2560 x 4096
+    ("gdn out_proj", H, HV * DV, False),  # 2560 x 4096
+    ("mlp gate_up", 2 * I, H, True),  # 18432 x 2560
+    ("mlp down", H, I, False),  # 2560 x 9216
+    ("lm_head", V, H, False),  # 248320 x 2560
 ]
 DECODE_M = [1, 2, 4, 8, 16]
 PREFILL_M = 8192
@@ -67,6 +67,11 @@ def kernel_bench_with_env(core, var: str, value: str):
             del os.environ[var]
         else:
             os.environ[var] = saved
+
+
+def linear_bytes(M: int, N: int, K: int, glu: bool) -> int:
+    """BF16 bytes a decode linear must move: the weight, x, and out (N / 2 columns with GLU)."""
+    return 2 * (N * K + M * K + M * (N // 2 if glu else N))
 
 
 def med(xs: list[float]) -> float:
@@ -170,7 +175,7 @@ def main() -> None:
     ap.add_argument("out", type=Path, help="JSON output path")
     ap.add_argument("--reps", type=int, default=10, help="graph replays per figure (median)")
     ap.add_argument("--skip-prefill", action="store_true",
-                    help="skip the M = 8192 GEMMs and the attention prefill (and torch)")
+                    help="skip the M = 8192 GEMMs, the attention and DeltaNet prefill (and torch, fla)")
     ap.add_argument("--skip-linear", action="store_true", help="skip the linear layers (decode and prefill)")
     ap.add_argument("--ksplit-sweep", default="",
                     help="comma-separated skinny-GEMM split counts to time at M = 1 / 16 (e.g. 2,3,4,6,8)")
@@ -196,10 +201,11 @@ def main() -> None:
 
     # ---- linear, M <= 16: weight streaming ----
     rows = []
-    for name, N, K in ([] if args.skip_linear else LINEAR_SHAPES):
+    for shape, N, K, glu in ([] if args.skip_linear else LINEAR_SHAPES):
+        name = shape + (" (linear_glu)" if glu else "")
         for M in DECODE_M:
-            nbytes = 2 * (N * K + M * K + M * N)
-            us = med(kb.linear(M, N, K, iters=iters_for(nbytes / bw), reps=args.reps))
+            nbytes = linear_bytes(M, N, K, glu)
+            us = med(kb.linear(M, N, K, glu, iters=iters_for(nbytes / bw), reps=args.reps))
             got = nbytes / (us * 1e-6)
             r = {"shape": name, "M": M, "N": N, "K": K, "us": round(us, 2), "TB/s": round(got / 1e12, 3),
                  "of copy BW": f"{got / bw:.0%}"}
@@ -225,10 +231,10 @@ def main() -> None:
         rows = []
         for k in sweep:
             kb_k = kernel_bench_with_env(_core, var, k)
-            for name, N, K in LINEAR_SHAPES:
+            for name, N, K, glu in LINEAR_SHAPES:
                 for M in (1, 16):
-                    nbytes = 2 * (N * K + M * K + M * N)
-                    us = med(kb_k.linear(M, N, K, iters=iters_for(nbytes / bw), reps=args.reps))
+                    nbytes = linear_bytes(M, N, K, glu)
+                    us = med(kb_k.linear(M, N, K, glu, iters=iters_for(nbytes / bw), reps=args.reps))
                     got = nbytes / (us * 1e-6)
                     r = {key: k, "shape": name, "M": M, "N": N, "K": K, "us": round(us, 2), "of copy BW": f"{got / bw:.0%}"}
                     rows.append(r)
@@ -241,7 +247,7 @@ def main() -> None:
     # ---- linear, M = 8192: CUTLASS vs cuBLAS ----
     if not args.skip_prefill and not args.skip_linear:
         rows = []
-        for name, N, K in LINEAR_SHAPES:
+        for name, N, K, _ in LINEAR_SHAPES:  # the GEMM alone (linear_glu adds silu_mul above 16 tokens)
             flops = 2 * PREFILL_M * N * K
             us = med(kb.linear(PREFILL_M, N, K, iters=iters_for(flops / 600e12, lo=2, hi=20), reps=max(3, args.reps // 2)))
             ours = flops / (us * 1e-6) / 1e12
@@ -284,23 +290,24 @@ def main() -> None:
     print(markdown_table(rows, ["op", "T", "us per layer", "us per token", "state r+w floor us", "three ops us"]))
 
     # ---- Gated DeltaNet prefill: chunked kernels vs the token-serial recurrence and fla ----
-    rows = []
-    for T in GDN_PREFILL_T:
-        us = med(kb.gdn(T, HK, HV, DK, DV, chunked=True, iters=5, reps=args.reps))
-        rec = med(kb.gdn(T, HK, HV, DK, DV, chunked=False, iters=2, reps=max(3, args.reps // 2)))
-        fla = fla_gdn_us(T, args.reps)
-        r = {"T": T, "chunked us": round(us, 1), "Mtok/s": round(T / us, 2), "recurrent us": round(rec, 1),
-             "vs recurrent": f"{rec / us:.1f}x", "fla us": round(fla, 1) if fla else "n/a",
-             "vs fla": f"{fla / us:.2f}x" if fla else "n/a"}
-        rows.append(r)
-        results["gdn_prefill"].append({**r, "fla_us": fla})
-        summary.append({"kernel": "gdn_chunked", "case": f"T={T} HV={HV} dk=dv={DK}", "time": f"{us:.0f} us",
-                        "achieved": f"{T / us:.2f} Mtok/s", "reference": f"fla {fla:.0f} us" if fla else "n/a",
-                        "ratio": f"{fla / us:.0%}" if fla else "n/a"})
-        print(f"gdn prefill T={T}: chunked {us:.0f} us, recurrent {rec:.0f} us, fla {fla and round(fla)} us",
-              flush=True)
-    print("\n## Gated DeltaNet prefill (one layer; fla timed with CUDA events around its Python call)\n")
-    print(markdown_table(rows, ["T", "chunked us", "Mtok/s", "recurrent us", "vs recurrent", "fla us", "vs fla"]))
+    if not args.skip_prefill:
+        rows = []
+        for T in GDN_PREFILL_T:
+            us = med(kb.gdn(T, HK, HV, DK, DV, chunked=True, iters=5, reps=args.reps))
+            rec = med(kb.gdn(T, HK, HV, DK, DV, chunked=False, iters=2, reps=max(3, args.reps // 2)))
+            fla = fla_gdn_us(T, args.reps)
+            r = {"T": T, "chunked us": round(us, 1), "Mtok/s": round(T / us, 2), "recurrent us": round(rec, 1),
+                 "vs recurrent": f"{rec / us:.1f}x", "fla us": round(fla, 1) if fla else "n/a",
+                 "vs fla": f"{fla / us:.2f}x" if fla else "n/a"}
+            rows.append(r)
+            results["gdn_prefill"].append({**r, "fla_us": fla})
+            summary.append({"kernel": "gdn_chunked", "case": f"T={T} HV={HV} dk=dv={DK}", "time": f"{us:.0f} us",
+                            "achieved": f"{T / us:.2f} Mtok/s", "reference": f"fla {fla:.0f} us" if fla else "n/a",
+                            "ratio": f"{fla / us:.0%}" if fla else "n/a"})
+            print(f"gdn prefill T={T}: chunked {us:.0f} us, recurrent {rec:.0f} us, fla {fla and round(fla)} us",
+                  flush=True)
+        print("\n## Gated DeltaNet prefill (one layer; fla timed with CUDA events around its Python call)\n")
+        print(markdown_table(rows, ["T", "chunked us", "Mtok/s", "recurrent us", "vs recurrent", "fla us", "vs fla"]))
 
     # ---- attention over the KV cache ----
     rows = []

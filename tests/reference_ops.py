@@ -15,6 +15,18 @@ def silu(x):
     return x / (1 + np.exp(-x))
 
 
+GLU_GROUP = 8  # kGluGroup, ops.h
+
+
+def glu_layout(gate, up):
+    """gate and up [I, ...] stacked into [2I, ...] in the GLU layout of ops.h: GLU_GROUP rows of
+    gate, the same rows of up, the next GLU_GROUP rows of gate, ..."""
+    I = gate.shape[0]
+    g = gate.reshape(I // GLU_GROUP, GLU_GROUP, *gate.shape[1:])
+    u = up.reshape(I // GLU_GROUP, GLU_GROUP, *up.shape[1:])
+    return np.stack([g, u], axis=1).reshape(2 * I, *gate.shape[1:])
+
+
 def sigmoid(x):
     return 1 / (1 + np.exp(-x))
 

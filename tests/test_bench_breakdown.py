@@ -47,10 +47,13 @@ def test_engine_linears_are_every_projection_once():
         assert sum(l["N"] * l["K"] * l["count"] for l in engine_linears(c)) == linear_params(c)
 
 
-@pytest.mark.parametrize("grid,glu,cs,work", [((160, 1, 1), "false", 1, "attn o / gdn out"),
-                                              ((640, 1, 1), "false", 4, "attn o / gdn out"),  # not attn qkv's 640 tiles
-                                              ((160, 1, 1), "true", 1, "mlp down"), ((320, 1, 1), "true", 2, "mlp down"),
-                                              ((1152, 1, 1), "false", 1, "mlp gate_up"),
+N2560 = "attn o / gdn out / mlp down"
+
+
+@pytest.mark.parametrize("grid,glu,cs,work", [((160, 1, 1), "false", 1, N2560),
+                                              ((640, 1, 1), "false", 4, N2560),  # not attn qkv's 640 tiles
+                                              ((1152, 1, 1), "true", 1, "mlp gate_up"),
+                                              ((1152, 1, 1), "false", 1, ""), ((160, 1, 1), "true", 1, ""),
                                               ((15520, 1, 1), "false", 1, "lm_head"), ((999, 1, 1), "false", 1, "")])
 def test_skinny_gemm_groups_get_their_linears_bytes(grid, glu, cs, work):
     c = full_config(SHAPES["ocria1-4b"])
@@ -58,21 +61,23 @@ def test_skinny_gemm_groups_get_their_linears_bytes(grid, glu, cs, work):
             {"kernel": "gdn_decode_kernel<128>", "grid": [32, 1, 1]}]
     label_groups(rows, c, 1024)
     assert rows[0]["work"] == work
-    want = {"attn o / gdn out": 2 * 2560 * 4096 * 32, "mlp down": 2 * 2560 * 9216 * 32,
+    want = {N2560: 2 * 2560 * 4096 * 32 + 2 * 2560 * 9216 * 32,
             "mlp gate_up": 2 * 18432 * 2560 * 32, "lm_head": 2 * 248320 * 2560, "": None}[work]
     assert rows[0]["bytes_per_step"] == want
     assert rows[1]["work"].startswith("DeltaNet") and rows[1]["bytes_per_step"] > 0
 
 
-@pytest.mark.parametrize("calls,work", [(64, {"gdn in_proj", "attn qkv", "mlp gate_up"}),
-                                        (65, {"gdn in_proj", "attn qkv", "mlp gate_up", "lm_head"}),
-                                        (32, set()),   # gate_up alone or in_proj + qkv: ambiguous
-                                        (50, set())])  # no subset
-def test_persistent_skinny_gemm_groups_are_found_by_their_calls(calls, work):
+@pytest.mark.parametrize("glu,calls,work", [("false", 32, {"gdn in_proj", "attn qkv"}),
+                                            ("false", 33, {"gdn in_proj", "attn qkv", "lm_head"}),
+                                            ("true", 32, {"mlp gate_up"}),
+                                            ("false", 24, {"gdn in_proj"}),
+                                            ("true", 33, set()), ("false", 50, set())])  # no subset
+def test_persistent_skinny_gemm_groups_are_found_by_their_calls(glu, calls, work):
     """Persistent launches share one grid (the blocks that fit at once): the group is the one set of
-    linears of at least that many tiles whose layer counts add up to its calls per step."""
+    linears of the same kind (GLU or not) and at least that many tiles whose layer counts add up to
+    its calls per step."""
     c = full_config(SHAPES["ocria1-4b"])
-    rows = [{"kernel": "skinny_gemm_kernel<8, 1, 2, 4, false, false, 1, true, __nv_bfloat16>", "grid": [396, 1, 1],
+    rows = [{"kernel": f"skinny_gemm_kernel<8, 1, 2, 4, {glu}, false, 1, true, __nv_bfloat16>", "grid": [396, 1, 1],
              "calls_per_step": calls}]
     label_groups(rows, c, 1024)
     assert set(filter(None, rows[0]["work"].split(" / "))) == work

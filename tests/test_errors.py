@@ -104,6 +104,25 @@ def test_missing_tensor(tmp_path):
         ocria_rt.Engine(d)
 
 
+def test_intermediate_size_not_a_multiple_of_8(tmp_path):
+    """The MLP's gate and up rows are interleaved in groups of 8 (the GLU layout, ops.h)."""
+    d = copy_model(tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    I, H = cfg["intermediate_size"] - 4, cfg["hidden_size"]
+    cfg["intermediate_size"] = I
+    (d / "config.json").write_text(json.dumps(cfg))
+
+    def edit(h):  # every MLP weight narrowed to I (its leading bytes; the rest of its range unread)
+        for name, rec in h.items():
+            if ".mlp." in name:
+                rec["shape"] = [H, I] if "down_proj" in name else [I, H]
+                rec["data_offsets"][1] = rec["data_offsets"][0] + 4 * I * H
+
+    rewrite_tensor_header(d / "model.safetensors", edit)
+    with pytest.raises(ocria_rt.ModelError, match=rf"mlp.gate_proj.weight' has {I} rows.*multiple of 8"):
+        ocria_rt.Engine(d)
+
+
 def test_unknown_model_type(tmp_path):
     d = copy_model(tmp_path)
     cfg = json.loads((d / "config.json").read_text())

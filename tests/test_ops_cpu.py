@@ -28,12 +28,12 @@ def test_linear(cpu, M, K, N):
     assert relerr(cpu.linear(x, w), x.astype(np.float64) @ w.T) <= TOL
 
 
-@pytest.mark.parametrize("M,I,N", [(1, 48, 40), (5, 72, 33), (40, 64, 96)])
-def test_linear_swiglu(cpu, M, I, N):
+@pytest.mark.parametrize("M,K,I", [(1, 40, 48), (5, 33, 72), (40, 96, 64)])
+def test_linear_glu(cpu, M, K, I):
     rng = np.random.default_rng(M + I)
-    gu, w = randn(rng, M, 2 * I, scale=2), randn(rng, N, I)
-    act = ref.silu(gu[:, :I].astype(np.float64)) * gu[:, I:]
-    assert relerr(cpu.linear_swiglu(gu, w), act @ w.T.astype(np.float64)) <= TOL
+    x, wg, wu = randn(rng, M, K), randn(rng, I, K, scale=0.3), randn(rng, I, K, scale=0.3)
+    want = ref.silu(x.astype(np.float64) @ wg.T) * (x.astype(np.float64) @ wu.T)
+    assert relerr(cpu.linear_glu(x, ref.glu_layout(wg, wu)), want) <= TOL
 
 
 def test_embedding(cpu):
@@ -55,8 +55,9 @@ def test_norms(cpu, R, D):
 
 def test_silu_mul(cpu):
     rng = np.random.default_rng(2)
-    gu = randn(rng, 7, 2 * 45, scale=2)
-    assert relerr(cpu.silu_mul(gu), ref.silu(gu[:, :45].astype(np.float64)) * gu[:, 45:]) <= TOL
+    g, u = randn(rng, 7, 40, scale=2), randn(rng, 7, 40, scale=2)
+    gu = ref.glu_layout(g.T, u.T).T.copy()  # [7, 80] in the GLU layout
+    assert relerr(cpu.silu_mul(gu), ref.silu(g.astype(np.float64)) * u) <= TOL
 
 
 @pytest.mark.parametrize("hq,hkv,hd,rot,T,start,section", [(4, 2, 32, 8, 5, 0, ()), (4, 1, 16, 4, 1, 9, ()),

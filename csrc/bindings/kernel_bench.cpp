@@ -29,14 +29,18 @@ class KernelBench {
                             : make_cuda_backend(device == "cuda" ? 0 : std::stoi(device.substr(5)))) {}
   ~KernelBench() { release_all(); }
 
-  // Microseconds per call of linear: out[M, N] = x[M, K] W[N, K]^T.
-  std::vector<double> linear(int64_t M, int64_t N, int64_t K, int iters, int reps) {
+  // Microseconds per call of linear: out[M, N] = x[M, K] W[N, K]^T; glu: of linear_glu, W the gate
+  // and up rows in the GLU layout and out [M, N / 2] = silu(gate) * up.
+  std::vector<double> linear(int64_t M, int64_t N, int64_t K, bool glu, int iters, int reps) {
     Scope scope(this);
     const int64_t copies = copies_for(N * K * dtype_size(be_->weight_dtype()));
     std::vector<LinearWeight> ws(copies);
     for (auto& w : ws) w.weight = random({N, K}, be_->weight_dtype(), 1.0f / std::sqrt(float(K)));
-    Tensor x = random({M, K}, be_->activation_dtype(), 1.0f), out = alloc({M, N}, be_->activation_dtype());
-    return time([&](int i) { be_->linear(x, ws[i % copies], out); }, iters, reps);
+    const DType act = be_->activation_dtype();
+    Tensor x = random({M, K}, act, 1.0f), out = alloc({M, N}, act);
+    if (!glu) return time([&](int i) { be_->linear(x, ws[i % copies], out); }, iters, reps);
+    Tensor half = alloc({M, N / 2}, act);
+    return time([&](int i) { be_->linear_glu(x, ws[i % copies], out, half); }, iters, reps);
   }
 
   // Microseconds per call of gdn_recurrent (or gdn_chunked) over T tokens.
@@ -228,8 +232,8 @@ void register_kernel_bench(py::module_& m) {
                           "Every method returns microseconds per call, one figure per replay.")
       .def(py::init<const std::string&>(), py::arg("device"))
       .def_property_readonly("name", &KernelBench::name)
-      .def("linear", &KernelBench::linear, py::arg("M"), py::arg("N"), py::arg("K"), py::arg("iters") = 50,
-           py::arg("reps") = 10)
+      .def("linear", &KernelBench::linear, py::arg("M"), py::arg("N"), py::arg("K"), py::arg("glu") = false,
+           py::arg("iters") = 50, py::arg("reps") = 10)
       .def("gdn", &KernelBench::gdn, py::arg("T"), py::arg("hk"), py::arg("hv"), py::arg("dk"), py::arg("dv"),
            py::arg("chunked") = false, py::arg("iters") = 50, py::arg("reps") = 10)
       .def("gdn_decode", &KernelBench::gdn_decode, py::arg("T"), py::arg("hk"), py::arg("hv"), py::arg("dk"),

@@ -114,13 +114,14 @@ void register_op_runner(py::module_& m) {
             return r.download(out);
           },
           py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::arg("out_f32") = false)
-      .def("linear_swiglu", [](OpRunner& r, F32Array gate_up, F32Array w) {
+      .def("linear_glu", [](OpRunner& r, F32Array x, F32Array w) {
+        // w [2I, K]: the gate and up rows in the GLU layout (ops.h). Returns act [M, I].
         LinearWeight lw;
         lw.weight = r.upload(w, r.wt());
-        const py::ssize_t M = gate_up.shape(0), I = gate_up.shape(1) / 2;
-        Tensor act = r.poisoned({M, I}, r.act()), out = r.poisoned({M, w.shape(0)}, r.act());
-        r.be().linear_swiglu(r.upload(gate_up, r.act()), lw, act, out);
-        return r.download(out);
+        const py::ssize_t M = x.shape(0), N = w.shape(0);
+        Tensor scratch = r.poisoned({M, N}, r.act()), act = r.poisoned({M, N / 2}, r.act());
+        r.be().linear_glu(r.upload(x, r.act()), lw, scratch, act);
+        return r.download(act);
       })
       .def("rms_norm", [](OpRunner& r, F32Array x, F32Array w, float eps) {
         Tensor xt = r.upload(x, r.act()), out = r.poisoned({x.shape(0), x.shape(1)}, r.act());
@@ -134,7 +135,7 @@ void register_op_runner(py::module_& m) {
       })
       .def("mlp_chain", [](OpRunner& r, F32Array residual, F32Array delta, F32Array norm_w, F32Array w_gate_up,
                            F32Array w_down, int layers, float eps) {
-        // `layers` times add_rms_norm (residual += delta) -> linear (gate_up) -> linear_swiglu (delta),
+        // `layers` times add_rms_norm (residual += delta) -> linear_glu (act) -> linear (delta),
         // then a last add_rms_norm, all enqueued before anything is read back: dependent kernels
         // back to back, as in a decode step. Returns (residual, normed).
         const py::ssize_t M = residual.shape(0), H = residual.shape(1), I2 = w_gate_up.shape(0);
@@ -146,8 +147,8 @@ void register_op_runner(py::module_& m) {
         Tensor act = r.poisoned({M, I2 / 2}, r.act());
         for (int i = 0; i < layers; ++i) {
           r.be().add_rms_norm(res, d, w, normed, eps);
-          r.be().linear(normed, gu, gate_up);
-          r.be().linear_swiglu(gate_up, down, act, d);
+          r.be().linear_glu(normed, gu, gate_up, act);
+          r.be().linear(act, down, d);
         }
         r.be().add_rms_norm(res, d, w, normed, eps);
         return py::make_tuple(r.download(res), r.download(normed));

@@ -61,7 +61,7 @@ Qwen35Model::Qwen35Model(const ModelConfig& config, const Checkpoint& ck, Backen
       L.gdn.dt_bias = w.load(g + "dt_bias", {HV}, f32);
       L.gdn.norm = w.load(g + "norm.weight", {dv}, f32);
     }
-    L.gate_up = w.linear({{p + "mlp.gate_proj.weight", {I, H}}, {p + "mlp.up_proj.weight", {I, H}}});
+    L.gate_up = w.glu_linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", I, H);
     L.down = w.linear({{p + "mlp.down_proj.weight", {H, I}}});
     layers_.push_back(std::move(L));
   }
@@ -161,8 +161,8 @@ void Qwen35Model::forward_embedded(int64_t T, const Tensor& positions, const Ten
     be_.add_rms_norm(x, delta, L.post_norm, normed, eps);
     // SwiGLU MLP
     Tensor gate_up = proj.cols(0, 2 * I), act = mixed.cols(0, I);
-    be_.linear(normed, L.gate_up, gate_up);
-    be_.linear_swiglu(gate_up, L.down, act, delta);
+    be_.linear_glu(normed, L.gate_up, gate_up, act);
+    be_.linear(act, L.down, delta);
     const Tensor& next_norm = li + 1 < layers_.size() ? layers_[li + 1].input_norm : final_norm_;
     be_.add_rms_norm(x, delta, next_norm, normed, eps);
   }

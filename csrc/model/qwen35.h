@@ -28,7 +28,7 @@ struct DecoderLayer {
   Tensor input_norm, post_norm;  // [H]
   AttentionLayer attn;
   DeltaNetLayer gdn;
-  LinearWeight gate_up, down;    // gate_up: [2I, H]
+  LinearWeight gate_up, down;    // gate_up: [2I, H] in the GLU layout (ops.h)
 };
 
 // Per-sequence caches: KV rows for attention layers, conv + recurrent state for DeltaNet layers.

@@ -1,11 +1,14 @@
 // Loads checkpoint tensors into backend memory: shape and dtype checked, converted to the
-// backend's dtype, and several projections stacked into one weight where they share an input.
+// backend's dtype, and several projections stacked into one weight where they share an input (the
+// MLP's gate and up interleaved in the GLU layout of ops.h).
 #pragma once
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "core/arena.h"
+#include "ocria_rt/error.h"
 #include "core/safetensors.h"
 #include "ops/ops.h"
 
@@ -45,6 +48,30 @@ class WeightLoader {
   LinearWeight linear(const std::vector<std::pair<std::string, std::vector<int64_t>>>& parts) {
     LinearWeight w;
     w.weight = concat(parts, be_.weight_dtype());
+    return w;
+  }
+  // The gate and up projections [I, in] of a SwiGLU MLP as one weight [2I, in] in the GLU layout
+  // (ops.h: kGluGroup rows of gate, the same rows of up, the next kGluGroup rows of gate, ...),
+  // interleaved on the host in the checkpoint's dtype and then copied (and converted) at once.
+  LinearWeight glu_linear(const std::string& gate, const std::string& up, int64_t I, int64_t in) {
+    const TensorRecord& g = ck_.require(prefix_ + gate, {I, in});
+    const TensorRecord& u = ck_.require(prefix_ + up, {I, in});
+    if (I % kGluGroup != 0)
+      throw Error(ErrorCode::kModelError, "tensor '" + prefix_ + gate + "' has " + std::to_string(I) +
+                                              " rows (intermediate_size); the MLP needs a multiple of 8");
+    if (g.dtype != u.dtype)
+      throw Error(ErrorCode::kModelError, "tensors '" + prefix_ + gate + "' (" + g.dtype_str + ") and '" + prefix_ + up +
+                                              "' (" + u.dtype_str + ") must have the same dtype");
+    const size_t group_bytes = size_t(kGluGroup) * size_t(in) * dtype_size(g.dtype);
+    std::vector<char> staged(2 * size_t(I / kGluGroup) * group_bytes);
+    for (int64_t j = 0; j < I / kGluGroup; ++j) {
+      std::memcpy(staged.data() + 2 * j * group_bytes, static_cast<const char*>(g.data) + j * group_bytes, group_bytes);
+      std::memcpy(staged.data() + (2 * j + 1) * group_bytes, static_cast<const char*>(u.data) + j * group_bytes,
+                  group_bytes);
+    }
+    LinearWeight w;
+    w.weight = arena_.alloc(be_.weight_dtype(), {2 * I, in});
+    be_.copy_from_host(w.weight, staged.data(), g.dtype);
     return w;
   }
   // name.weight [out, in] and name.bias [out].

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import reference_ops as ref
 from support import relerr
 from ocria_rt import _core
 
@@ -87,20 +88,34 @@ def test_norms(cpu, gpu, R, D):
     assert relerr(gout, cout) <= OUT_TOL
 
 
-@pytest.mark.parametrize("T,I", [(7, 45), (1, 9216), (16, 9216), (100, 512)])
+@pytest.mark.parametrize("T,I", [(7, 40), (1, 9216), (16, 9216), (100, 512)])
 def test_silu_mul(cpu, gpu, T, I):
     rng = np.random.default_rng(T + I)
-    gu = randn(rng, T, 2 * I, scale=2)
+    gu = randn(rng, T, 2 * I, scale=2)  # the GLU layout: the op's reading of the columns
     assert relerr(gpu.silu_mul(gu), cpu.silu_mul(gu)) <= OUT_TOL
 
 
-@pytest.mark.parametrize("T,I,N", [(1, 9216, 2560), (5, 72, 33), (16, 1024, 512), (40, 512, 256)])
-def test_linear_swiglu(cpu, gpu, T, I, N):
-    """Decode sizes take the fused path (activation formed while loading), prefill sizes the
-    two-kernel one; both against the CPU's silu_mul + linear."""
-    rng = np.random.default_rng(T + I + N)
-    gu, w = randn(rng, T, 2 * I, scale=2), randn(rng, N, I, scale=I ** -0.5)
-    assert relerr(gpu.linear_swiglu(gu, w), cpu.linear_swiglu(gu, w)) <= OUT_TOL
+def glu_case(seed: int, T: int, K: int, I: int):
+    """x [T, K] and a gate / up weight [2I, K] in the GLU layout."""
+    rng = np.random.default_rng(seed)
+    x = randn(rng, T, K)
+    w = ref.glu_layout(randn(rng, I, K, scale=2 * K**-0.5), randn(rng, I, K, scale=2 * K**-0.5))
+    return x, w
+
+
+# T, K, I: OCRIA-1's gate_up (persistent blocks), one and two token tiles, one row tile (I = 8),
+# K % 8 != 0 (the fallback GEMM, then silu_mul), and a prefill size (CUTLASS, then silu_mul).
+GLU_CASES = [(1, 2560, 9216), (5, 72, 40), (16, 1024, 512), (3, 96, 8), (2, 33, 24), (40, 512, 256)]
+
+
+@pytest.mark.parametrize("T,K,I", GLU_CASES)
+def test_linear_glu(cpu, gpu, T, K, I):
+    """Against the CPU's linear + silu_mul; decode sizes apply the activation in the GEMM's store,
+    and are bit for bit the GPU's own linear + silu_mul (the same sums, rounded to BF16 alike)."""
+    x, w = glu_case(T + K + I, T, K, I)
+    got = gpu.linear_glu(x, w)
+    assert relerr(got, cpu.linear_glu(x, w)) <= OUT_TOL
+    np.testing.assert_array_equal(got, gpu.silu_mul(gpu.linear(x, w)))
 
 
 # ---- skinny GEMM split-K: K in ranges over several blocks, the last block of a tile sums them ----
@@ -174,23 +189,24 @@ def test_linear_cluster_splitk(cpu, gpu_with_env, M, K, N, cs, with_bias, out_f3
         np.testing.assert_array_equal(gpu.linear(x, w, bias, out_f32), first)
 
 
-# The fused decode MLP down projection (activation formed while loading) with K split over the grid
-# (OCRIA_RT_SKINNY_KSPLIT) or over the blocks of a cluster (OCRIA_RT_SKINNY_CLUSTER): T, I, N, splits.
-SWIGLU_SPLIT_CASES = [("OCRIA_RT_SKINNY_KSPLIT", T, I, N, n)
-                      for T, I, N, n in [(1, 9216, 2560, 4), (3, 1000, 999, 3), (9, 2632, 250, 5), (16, 9216, 2560, 4)]]
-SWIGLU_SPLIT_CASES += [("OCRIA_RT_SKINNY_CLUSTER", T, I, N, n)
-                       for T, I, N, n in [(1, 9216, 2560, 4), (3, 1000, 999, 2), (16, 9216, 2560, 2)]]
+# linear_glu's decode path with K split over the grid (OCRIA_RT_SKINNY_KSPLIT) or over the blocks of
+# a cluster (OCRIA_RT_SKINNY_CLUSTER): T, K, I, splits.
+GLU_SPLIT_CASES = [("OCRIA_RT_SKINNY_KSPLIT", T, K, I, n)
+                   for T, K, I, n in [(1, 9216, 1280, 4), (3, 1000, 504, 3), (9, 2632, 128, 5), (16, 9216, 1280, 4)]]
+GLU_SPLIT_CASES += [("OCRIA_RT_SKINNY_CLUSTER", T, K, I, n)
+                    for T, K, I, n in [(1, 9216, 1280, 4), (3, 1000, 504, 2), (16, 9216, 1280, 2)]]
 
 
-@pytest.mark.parametrize("var,T,I,N,splits", SWIGLU_SPLIT_CASES)
-def test_linear_swiglu_split(cpu, gpu_with_env, var, T, I, N, splits):
-    """Against the CPU; a second call gives the same bits (the partials are summed in a fixed order)."""
-    rng = np.random.default_rng(T + I + N + splits)
-    gu, w = randn(rng, T, 2 * I, scale=2), randn(rng, N, I, scale=I ** -0.5)
+@pytest.mark.parametrize("var,T,K,I,splits", GLU_SPLIT_CASES)
+def test_linear_glu_split(cpu, gpu_with_env, var, T, K, I, splits):
+    """Against the CPU; a second call gives the same bits, and so does the same backend's linear +
+    silu_mul (the partials are summed in a fixed order before the activation)."""
+    x, w = glu_case(T + K + I + splits, T, K, I)
     gpu = gpu_with_env(var, splits)
-    first = gpu.linear_swiglu(gu, w)
-    assert relerr(first, cpu.linear_swiglu(gu, w)) <= OUT_TOL
-    np.testing.assert_array_equal(gpu.linear_swiglu(gu, w), first)
+    first = gpu.linear_glu(x, w)
+    assert relerr(first, cpu.linear_glu(x, w)) <= OUT_TOL
+    np.testing.assert_array_equal(gpu.linear_glu(x, w), first)
+    np.testing.assert_array_equal(gpu.silu_mul(gpu.linear(x, w)), first)
 
 
 @pytest.mark.parametrize("M,K,N,auto_cs", [(1, 4096, 2560, "2"), (16, 9216, 2560, "2"), (1, 3584, 1024, "0"),
@@ -230,29 +246,29 @@ def test_linear_persistent(cpu, gpu_with_env, M, K, N, with_bias, out_f32):
     np.testing.assert_array_equal(got, gpu_with_env("OCRIA_RT_SKINNY_PERSISTENT", 0).linear(x, w, bias, out_f32))
 
 
-@pytest.mark.parametrize("T,I,N", [(1, 1000, 9000), (16, 2632, 10007)])
-def test_linear_swiglu_persistent(cpu, gpu_with_env, T, I, N):
-    """The fused decode MLP down projection with persistent blocks (N large enough for them)."""
-    rng = np.random.default_rng(T + I + N)
-    gu, w = randn(rng, T, 2 * I, scale=2), randn(rng, N, I, scale=I ** -0.5)
-    got = gpu_with_env("OCRIA_RT_SKINNY_PERSISTENT", 1).linear_swiglu(gu, w)
-    assert relerr(got, cpu.linear_swiglu(gu, w)) <= OUT_TOL
-    np.testing.assert_array_equal(got, gpu_with_env("OCRIA_RT_SKINNY_PERSISTENT", 0).linear_swiglu(gu, w))
+@pytest.mark.parametrize("T,K,I", [(1, 1000, 4504), (16, 2632, 5000), (9, 2560, 9216)])
+def test_linear_glu_persistent(cpu, gpu_with_env, T, K, I):
+    """linear_glu's decode path with persistent blocks (2I large enough for them): the activation of
+    every tile a block takes, not only its last."""
+    x, w = glu_case(T + K + I, T, K, I)
+    got = gpu_with_env("OCRIA_RT_SKINNY_PERSISTENT", 1).linear_glu(x, w)
+    assert relerr(got, cpu.linear_glu(x, w)) <= OUT_TOL
+    np.testing.assert_array_equal(got, gpu_with_env("OCRIA_RT_SKINNY_PERSISTENT", 0).linear_glu(x, w))
 
 
 # ---- programmatic dependent launch: dependent kernels back to back ----
 
 # (M, H, I): H = 2560 with I = 4608 takes both skinny-GEMM configurations without split-K (gate_up
 # N = 9216: 8 warps per tile; down N = 2560: 16 warps) with their L2 weight prefetch; the odd shape
-# mixes PDL kernels with ordinary launches (unfused silu_mul + fallback GEMM, K % 8 != 0).
-CHAIN_CASES = [(1, 2560, 4608), (5, 2560, 4608), (16, 2560, 4608), (3, 1000, 1500)]
+# mixes PDL kernels with ordinary launches (gate_up's K = 1001: the fallback GEMM, then silu_mul).
+CHAIN_CASES = [(1, 2560, 4608), (5, 2560, 4608), (16, 2560, 4608), (3, 1001, 1496)]
 
 
 @pytest.mark.parametrize("ksplit,cluster,persistent", [("", "", ""), ("1", "0", "0"), ("3", "0", "0"), ("1", "4", "0"),
                                                        ("1", "0", "1")])
 @pytest.mark.parametrize("M,H,I", CHAIN_CASES)
 def test_dependent_op_chain(cpu, monkeypatch, M, H, I, ksplit, cluster, persistent):
-    """add_rms_norm -> linear -> linear_swiglu three times, then add_rms_norm, enqueued without host
+    """add_rms_norm -> linear_glu -> linear three times, then add_rms_norm, enqueued without host
     synchronisation in between, so that with PDL each kernel starts while its predecessor still runs
     and buffers are rewritten while earlier kernels may still read them. Against the CPU, and bit
     for bit against the same chain with PDL off (same kernels, same arithmetic: a missing

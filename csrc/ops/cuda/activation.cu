@@ -19,13 +19,17 @@ __global__ void add_kernel(T* __restrict__ res, int64_t ldr, const T* __restrict
   }
 }
 
-// out[t, c] = silu(gate_up[t, c]) * gate_up[t, I + c].
+// out[t, c] = silu(gate) * up, gate_up in the GLU layout (ops.h): gate at column
+// c / G * 2G + c % G, up G columns later (G = kGluGroup; V divides G, so a vector stays in one group).
 template <class T, int V>
 __global__ void silu_mul_kernel(const T* __restrict__ gu, int64_t ldg, T* __restrict__ out, int64_t ldo, int I) {
+  static_assert(kGluGroup % V == 0, "a vector must not straddle two GLU groups");
+  constexpr int G = int(kGluGroup);
   const int64_t t = blockIdx.y;
   for (int c = (blockIdx.x * blockDim.x + threadIdx.x) * V; c < I; c += gridDim.x * blockDim.x * V) {
-    const Pack<T, V> g = load_pack<T, V>(gu + t * ldg + c);
-    const Pack<T, V> u = load_pack<T, V>(gu + t * ldg + I + c);
+    const int gc = c / G * 2 * G + c % G;
+    const Pack<T, V> g = load_pack<T, V>(gu + t * ldg + gc);
+    const Pack<T, V> u = load_pack<T, V>(gu + t * ldg + gc + G);
     Pack<T, V> o;
 #pragma unroll
     for (int e = 0; e < V; ++e) o.v[e] = from_float<T>(silu(to_float(g.v[e])) * to_float(u.v[e]));
@@ -88,8 +92,10 @@ void CudaBackend::silu_mul(const Tensor& gate_up, const Tensor& out) {
   const char* op = "silu_mul";
   require_float(gate_up, op, "gate_up");
   require_tensor(out, gate_up.dtype, op, "out");
-  OCRIA_RT_REQUIRE(gate_up.ndim == 2 && out.ndim == 2 && gate_up.dim(0) == out.dim(0) && gate_up.dim(1) == 2 * out.dim(1), op,
-          "gate_up " + gate_up.shape_str() + " vs out " + out.shape_str());
+  OCRIA_RT_REQUIRE(gate_up.ndim == 2 && out.ndim == 2 && gate_up.dim(0) == out.dim(0) && gate_up.dim(1) == 2 * out.dim(1) &&
+                       out.dim(1) % kGluGroup == 0,
+                   op, "gate_up " + gate_up.shape_str() + " vs out " + out.shape_str() +
+                           " (gate_up [T, 2I], out [T, I], I a multiple of 8)");
   const int64_t T = out.dim(0), I = out.dim(1);
   OCRIA_RT_REQUIRE(T <= 65535, op, "too many rows");
   if (T == 0 || I == 0) return;

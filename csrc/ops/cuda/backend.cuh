@@ -259,7 +259,7 @@ class CudaBackend final : public Backend {
 
   void embedding(const Tensor& table, const Tensor& ids, const Tensor& out) override;
   void linear(const Tensor& x, const LinearWeight& w, const Tensor& out) override;
-  void linear_swiglu(const Tensor& gate_up, const LinearWeight& w, const Tensor& act, const Tensor& out) override;
+  void linear_glu(const Tensor& x, const LinearWeight& w, const Tensor& scratch, const Tensor& act) override;
   void rms_norm(const Tensor& x, const Tensor& weight, const Tensor& out, float eps) override;
   void add_rms_norm(const Tensor& residual, const Tensor& delta, const Tensor& weight, const Tensor& out,
                     float eps) override;

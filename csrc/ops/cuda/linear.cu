@@ -8,6 +8,9 @@
 //  - M > 16: CUTLASS sm90 TMA/wgmma GEMM (linear_gemm_sm90.cu), bias added by a second kernel.
 //  - anything the two cannot take (K or a stride not a multiple of 8, misaligned views, F32 output
 //    for M > 16): a simple shared-memory tiled kernel.
+// linear_glu: the MLP's act = silu(gate) * up from a weight in the GLU layout (ops.h); for M <= 16
+// the skinny GEMM applies it as it stores (one pass, and the down projection then reads a plain
+// [M, I] input), above that through memory (GEMM, then silu_mul).
 #include <algorithm>
 #include <type_traits>
 
@@ -68,6 +71,7 @@ namespace {
 template <class T> __device__ __forceinline__ void store_out(T* p, float v);
 template <> __device__ __forceinline__ void store_out<bf16>(bf16* p, float v) { *p = __float2bfloat16_rn(v); }
 template <> __device__ __forceinline__ void store_out<float>(float* p, float v) { *p = v; }
+__device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 // Dynamic shared memory: the ring, then (cluster split-K) the partial tiles of blocks 1 .. CS-1.
 template <int WARPS, int U, int S> constexpr int skinny_ring_bytes() { return S * U * 2 * WARPS * 32 * 16; }
@@ -76,20 +80,6 @@ template <int WARPS, int NT, int U, int S, int CS> constexpr int skinny_smem_byt
 }
 // The K range [0, kpre) of the stages issued before pdl_wait().
 template <int WARPS, int U, int S> constexpr int skinny_prologue_k() { return (S - 1) * U * WARPS * 32; }
-
-// silu(g) * u on 8 BF16 pairs, rounded to BF16 as the separate silu_mul kernel would store it.
-__device__ __forceinline__ uint4 swiglu8(uint4 g, uint4 u) {
-  uint4 r;
-  const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(&g);
-  const __nv_bfloat162* u2 = reinterpret_cast<const __nv_bfloat162*>(&u);
-  __nv_bfloat162* r2 = reinterpret_cast<__nv_bfloat162*>(&r);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 gf = __bfloat1622float2(g2[i]), uf = __bfloat1622float2(u2[i]);
-    r2[i] = __floats2bfloat162_rn(silu(gf.x) * uf.x, silu(gf.y) * uf.y);
-  }
-  return r;
-}
 
 // Split-K scratch (CudaBackend::splitk_scratch_): one counter per row tile, zero between launches,
 // and one partial tile of 16 rows x 8 NT tokens per (tile, split), [tile][split][token][row].
@@ -101,8 +91,9 @@ struct SplitKScratch {
 // Requirements (checked by the caller): K % 8 == 0, ldx % 8 == 0, ldw % 8 == 0, x and w 16-byte
 // aligned, 1 <= M <= 8 * NT; pf_bytes a multiple of 16 with kpre + pf_bytes / 2 no larger than a
 // block's K range (or 0). Dynamic shared memory: skinny_smem_bytes<WARPS, NT, U, S, CS>().
-// GLU: x is a fused [gate | up] row and the GEMM input is silu(gate) * up, formed while loading
-// (up starts glu_off elements after gate), so the MLP's activation needs no kernel of its own.
+// GLU: W is in the GLU layout (ops.h, kGluGroup = 8: rows 0-7 of each 16-row tile are gate rows,
+// rows 8-15 the matching up rows) and out [M, N / 2] receives silu(gate) * up, with gate and up
+// rounded to BF16 first as the separate silu_mul kernel would read them; N % 16 == 0.
 // SPLIT: gridDim.y splits of K (at most one per chunk), scratch for gridDim.x tiles x gridDim.y splits.
 // CS > 1: launched in clusters of CS blocks along x, gridDim.x = tiles * CS, at most one split per chunk.
 // PERSIST: gridDim.x <= tiles blocks, block b taking tiles b, b + gridDim.x, ...; its stages run on
@@ -111,7 +102,7 @@ struct SplitKScratch {
 // reduced and stored (only without SPLIT and CS).
 template <int WARPS, int NT, int U, int S, bool GLU, bool SPLIT, int CS, bool PERSIST, class OutT>
 __global__ void __launch_bounds__(WARPS * 32)
-    skinny_gemm_kernel(const bf16* __restrict__ x, int64_t ldx, int64_t glu_off, int M, const bf16* __restrict__ w,
+    skinny_gemm_kernel(const bf16* __restrict__ x, int64_t ldx, int M, const bf16* __restrict__ w,
                        int64_t ldw, int N, int K, uint32_t pf_bytes, ParamView bias, bool has_bias,
                        OutT* __restrict__ out, int64_t ldo, SplitKScratch scratch) {
   static_assert(!(SPLIT && CS > 1), "split-K over the grid or over a cluster, not both");
@@ -211,9 +202,22 @@ __global__ void __launch_bounds__(WARPS * 32)
     }
     return sum;
   };
-  auto store = [&](int n, float sum) {
-    if (has_bias) sum += bias[n];
-    store_out(out + int64_t(tok) * ldo + n, sum);
+  // Bias and store of a tile's sums; GLU: silu(gate) * up of its 8 activations, gate row r and up
+  // row r + 8 meeting in `red` (every thread of the block calls it then).
+  auto finish = [&](int tile_n0, bool owner, float sum) {
+    if (owner && has_bias) sum += bias[tile_n0 + row];
+    if constexpr (GLU) {
+      __syncthreads();  // block_sum's reads of `red` are done
+      if (owner) red[0][row][tok] = sum;
+      __syncthreads();
+      const int r = tid & 7, k = tid >> 3;
+      if (tid < 8 * 8 * NT && k < M) {
+        const float gate = bf16_round(red[0][r][k]), up = bf16_round(red[0][r + 8][k]);
+        store_out(out + int64_t(k) * ldo + tile_n0 / 2 + r, silu(gate) * up);
+      }
+    } else if (owner) {
+      store_out(out + int64_t(tok) * ldo + tile_n0 + row, sum);
+    }
   };
 
   clear_acc();
@@ -222,10 +226,9 @@ __global__ void __launch_bounds__(WARPS * 32)
   if (tid < 16 && pf_bytes > 0 && n0 + tid < N)
     prefetch_l2(w + int64_t(n0 + tid) * ldw + c_lo * 32 + skinny_prologue_k<WARPS, U, S>(), pf_bytes);
   // x one stage ahead (see the top of the file): stage st + 1's loads go out before stage st's
-  // products. GLU: the gate and up pieces, combined when their stage is used.
-  constexpr int XV = GLU ? 2 : 1;
+  // products.
   const uint4 zero = make_uint4(0, 0, 0, 0);
-  uint4 xnext[U][NT][XV];
+  uint4 xnext[U][NT];
   auto load_x = [&](int st) {
     const int it = PERSIST ? st % iters : st;
 #pragma unroll
@@ -234,10 +237,7 @@ __global__ void __launch_bounds__(WARPS * 32)
       const bool in = st < stages && piece_in(c);
 #pragma unroll
       for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int v = 0; v < XV; ++v)
-          xnext[u][j][v] =
-              in && tok_ok[j] ? __ldg(reinterpret_cast<const uint4*>(xr[j] + v * glu_off + c * 32)) : zero;
+        xnext[u][j] = in && tok_ok[j] ? __ldg(reinterpret_cast<const uint4*>(xr[j] + c * 32)) : zero;
     }
   };
   pdl_wait();  // earlier kernels have completed: x may be read, out written
@@ -247,7 +247,7 @@ __global__ void __launch_bounds__(WARPS * 32)
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
-      for (int j = 0; j < NT; ++j) xv[u][j] = GLU ? swiglu8(xnext[u][j][0], xnext[u][j][XV - 1]) : xnext[u][j][0];
+      for (int j = 0; j < NT; ++j) xv[u][j] = xnext[u][j];
     load_x(st + 1);
     cp_async_wait<S - 2>();  // stage `st` has landed
     issue(st + S - 1);       // refills the slot read in the previous iteration
@@ -267,7 +267,7 @@ __global__ void __launch_bounds__(WARPS * 32)
         const int tile_n0 = (int(blockIdx.x) + st / iters * int(gridDim.x)) * 16;
         bool owner;
         const float sum = block_sum(tile_n0, owner);
-        if (owner) store(tile_n0 + row, sum);
+        finish(tile_n0, owner, sum);
         __syncthreads();  // `red` is read before the next tile writes it
         clear_acc();
       }
@@ -277,7 +277,6 @@ __global__ void __launch_bounds__(WARPS * 32)
 
   // The last (or only) tile.
   const int last_n0 = PERSIST ? (int(blockIdx.x) + (my_tiles - 1) * int(gridDim.x)) * 16 : n0;
-  const int n = last_n0 + row;
   bool owner;
   float sum = block_sum(last_n0, owner);
   if constexpr (CS > 1) {
@@ -313,7 +312,7 @@ __global__ void __launch_bounds__(WARPS * 32)
       sum = total;
     }
   }
-  if (owner) store(n, sum);
+  finish(last_n0, owner, sum);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -445,7 +444,7 @@ dim3 skinny_grid(const SkinnyPlan& p, int N, int per_sm, int sm_count) {
 }
 
 template <class Cfg, bool GLU, class OutT>
-void launch_skinny_cfg(const bf16* x, int64_t ldx, int64_t glu_off, int M, const bf16* w, int64_t ldw, int N, int K,
+void launch_skinny_cfg(const bf16* x, int64_t ldx, int M, const bf16* w, int64_t ldw, int N, int K,
                        ParamView bias, bool has_bias, OutT* out, int64_t ldo, const SkinnyPlan& p,
                        SplitKScratch scratch, const LaunchCtx& ctx, int sm_count) {
   const int per_sm = skinny_blocks_per_sm<Cfg, GLU, OutT>();
@@ -460,7 +459,7 @@ void launch_skinny_cfg(const bf16* x, int64_t ldx, int64_t glu_off, int M, const
   int64_t pf = std::min(rest, kL2PrefetchBudget / (int64_t(N) * splits)) & ~int64_t(127);
   if (pf < 1024) pf = 0;
   launch_pdl_cluster(ctx, "skinny_gemm_kernel", Cfg::CS > 1 ? unsigned(Cfg::CS) : 0u, Cfg::template kernel<GLU, OutT>(),
-                     grid, Cfg::WARPS * 32, Cfg::smem, x, ldx, glu_off, M, w, ldw, N, K, uint32_t(pf), bias, has_bias,
+                     grid, Cfg::WARPS * 32, Cfg::smem, x, ldx, M, w, ldw, N, K, uint32_t(pf), bias, has_bias,
                      out, ldo, scratch);
 }
 
@@ -523,12 +522,11 @@ bool skinny_weight_ok(const Tensor& w) {
 }
 
 template <bool GLU, class OutT>
-void launch_skinny(const bf16* x, int64_t ldx, int64_t glu_off, int M, const bf16* w, int64_t ldw, int N, int K,
+void launch_skinny(const bf16* x, int64_t ldx, int M, const bf16* w, int64_t ldw, int N, int K,
                    ParamView bias, bool has_bias, OutT* out, int64_t ldo, const SkinnyPlan& p, SplitKScratch scratch,
                    const LaunchCtx& ctx, int sm_count) {
   visit_skinny(p, M, [&](auto cfg) {
-    launch_skinny_cfg<decltype(cfg), GLU>(x, ldx, glu_off, M, w, ldw, N, K, bias, has_bias, out, ldo, p, scratch, ctx,
-                                          sm_count);
+    launch_skinny_cfg<decltype(cfg), GLU>(x, ldx, M, w, ldw, N, K, bias, has_bias, out, ldo, p, scratch, ctx, sm_count);
   });
 }
 
@@ -575,10 +573,10 @@ void CudaBackend::linear(const Tensor& x, const LinearWeight& lw, const Tensor& 
     const SkinnyPlan plan = skinny_plan(int(N), int(K), sm_count_, skinny_ksplit_, skinny_cluster_, skinny_persistent_);
     const SplitKScratch scratch = splitk_scratch(splitk_scratch_);
     if (out_bf16)
-      launch_skinny<false>(xp, ldx, 0, int(M), wp, ldw, int(N), int(K), bias, has_bias, out.ptr<bf16>(), ldo, plan,
+      launch_skinny<false>(xp, ldx, int(M), wp, ldw, int(N), int(K), bias, has_bias, out.ptr<bf16>(), ldo, plan,
                            scratch, launch_ctx(), sm_count_);
     else
-      launch_skinny<false>(xp, ldx, 0, int(M), wp, ldw, int(N), int(K), bias, has_bias, out.ptr<float>(), ldo, plan,
+      launch_skinny<false>(xp, ldx, int(M), wp, ldw, int(N), int(K), bias, has_bias, out.ptr<float>(), ldo, plan,
                            scratch, launch_ctx(), sm_count_);
     return;
   }
@@ -599,29 +597,39 @@ void CudaBackend::linear(const Tensor& x, const LinearWeight& lw, const Tensor& 
     launch_fallback(xp, ldx, int(M), wp, ldw, int(N), int(K), bias, has_bias, out.ptr<float>(), ldo, stream_);
 }
 
-void CudaBackend::linear_swiglu(const Tensor& gate_up, const LinearWeight& lw, const Tensor& act, const Tensor& out) {
+void CudaBackend::linear_glu(const Tensor& x, const LinearWeight& lw, const Tensor& scratch, const Tensor& act) {
   using namespace cuda;
-  const char* op = "linear_swiglu";
-  require_tensor(gate_up, DType::BF16, op, "gate_up");
-  require_tensor(out, DType::BF16, op, "out");
-  const int64_t M = gate_up.dim(0), I = gate_up.dim(1) / 2;
-  OCRIA_RT_REQUIRE(gate_up.ndim == 2 && lw.weight.ndim == 2 && lw.weight.dim(1) == I && act.dim(1) == I, op,
-          "gate_up " + gate_up.shape_str() + ", weight " + lw.weight.shape_str() + ", act " + act.shape_str());
-  const bf16* xp = gate_up.ptr<bf16>();
-  const bf16* wp = lw.weight.ptr<bf16>();
-  const bool fused = M <= 16 && M > 0 && !lw.bias.defined() && I % 8 == 0 && gate_up.row_stride % 8 == 0 &&
-                     skinny_weight_ok(lw.weight) && aligned16(xp);
-  if (!fused) {  // prefill: the activation through memory, then the GEMM
-    silu_mul(gate_up, act);
-    linear(act, lw, out);
+  const char* op = "linear_glu";
+  const Tensor& w = lw.weight;
+  require_tensor(x, DType::BF16, op, "x");
+  require_tensor(w, DType::BF16, op, "weight");
+  require_tensor(scratch, DType::BF16, op, "scratch");
+  require_tensor(act, DType::BF16, op, "act");
+  OCRIA_RT_REQUIRE(x.ndim == 2 && w.ndim == 2 && scratch.ndim == 2 && act.ndim == 2, op,
+                   "expected 2-D x, weight, scratch and act, got " + x.shape_str() + ", " + w.shape_str() + ", " +
+                       scratch.shape_str() + ", " + act.shape_str());
+  const int64_t M = x.dim(0), K = x.dim(1), N = w.dim(0);
+  OCRIA_RT_REQUIRE(w.dim(1) == K && N % (2 * kGluGroup) == 0 && scratch.dim(0) == M && scratch.dim(1) == N &&
+                       act.dim(0) == M && act.dim(1) == N / 2,
+                   op, "shape mismatch: x " + x.shape_str() + ", weight " + w.shape_str() + " (gate and up, [2I, K] with I a multiple of 8), scratch " +
+                       scratch.shape_str() + " ([M, 2I]), act " + act.shape_str() + " ([M, I])");
+  const bool fused = M > 0 && M <= 16 && lw.format == LinearWeight::Format::kDense && skinny_weight_ok(w) &&
+                     x.row_stride % 8 == 0 && aligned16(x.data) && N < (int64_t(1) << 31) && K < (int64_t(1) << 31);
+  if (!fused) {  // prefill: x · W^T through memory, then the activation
+    linear(x, lw, scratch);
+    silu_mul(scratch, act);
     return;
   }
+  const bool has_bias = lw.bias.defined();
+  ParamView bias{};
+  if (has_bias) {
+    bias = param_view(lw.bias, op, "bias");
+    OCRIA_RT_REQUIRE(lw.bias.numel() == N, op, "bias has " + std::to_string(lw.bias.numel()) + " elements, expected 2I");
+  }
   activate();
-  const int N = int(lw.weight.dim(0));
-  const SkinnyPlan plan = skinny_plan(N, int(I), sm_count_, skinny_ksplit_, skinny_cluster_, skinny_persistent_);
-  launch_skinny<true>(xp, gate_up.row_stride, I, int(M), wp, lw.weight.row_stride, N, int(I), ParamView{}, false,
-                      out.ptr<bf16>(), out.row_stride, plan, splitk_scratch(splitk_scratch_), launch_ctx(),
-                      sm_count_);
+  const SkinnyPlan plan = skinny_plan(int(N), int(K), sm_count_, skinny_ksplit_, skinny_cluster_, skinny_persistent_);
+  launch_skinny<true>(x.ptr<bf16>(), x.row_stride, int(M), w.ptr<bf16>(), w.row_stride, int(N), int(K), bias, has_bias,
+                      act.ptr<bf16>(), act.row_stride, plan, splitk_scratch(splitk_scratch_), launch_ctx(), sm_count_);
 }
 
 }  // namespace ocria_rt
