@@ -2,8 +2,10 @@
 # One call on a GPU machine without internet: build and install from source, run the GPU tests and
 # the benchmarks, and leave logs and JSON in OUT_DIR.
 #
-#   bench/device_run.sh OUT_DIR [tests|kernels|decode|vision|all ...]
+#   bench/device_run.sh OUT_DIR [tests|kernels|decode|vision|all|ncu ...]
 #
+# ncu (not part of all): decode steps under Nsight Compute, bench/ncu_step.py (NCU_ARGS for its `run`,
+# e.g. "--shape qwen3.5-0.8b"); needs a runtime with hardware counters.
 # Extra benchmark arguments: DECODE_ARGS, VISION_ARGS, KERNELS_ARGS, TEST_ARGS (pytest; default: the whole suite),
 # TEST_K (a pytest -k expression, spaces allowed);
 # build parallelism: CMAKE_BUILD_PARALLEL_LEVEL; OCRIA_RT_SKIP_BUILD=1 uses what an earlier run installed.
@@ -46,6 +48,12 @@ if has_step vision; then
   # the CLI on the same real-size random VLM and PDF (left by --parse-pages in the bench's workdir)
   python3 -m ocria_rt parse /tmp/ocria-bench/pages.pdf --model /tmp/ocria-bench/ocria1-4b-parse --device cuda \
     --max-new-tokens 200 -o "$OUT_DIR/parse.md" --json "$OUT_DIR/parse.json" --progress 2>&1 | tail -3
+fi
+if [[ " $STEPS " == *" ncu "* ]]; then
+  ${NCU:-ncu} --clock-control none --profile-from-start off --graph-profiling node --section SpeedOfLight \
+    --section Occupancy --section WarpStateStats --csv --page raw --log-file "$OUT_DIR/ncu.csv" \
+    python3 bench/ncu_step.py run ${NCU_ARGS:-} > "$OUT_DIR/ncu.log" 2>&1 || tail -20 "$OUT_DIR/ncu.log"
+  python3 bench/ncu_step.py summarize "$OUT_DIR/ncu.csv" --out "$OUT_DIR/ncu.md" 2>&1 | head -40
 fi
 if has_step decode; then
   python3 bench/decode.py "$OUT_DIR/decode.json" ${DECODE_ARGS:-} 2>&1 | tee "$OUT_DIR/decode.log" | tail -20

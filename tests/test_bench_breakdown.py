@@ -84,3 +84,26 @@ def test_persistent_skinny_gemm_groups_are_found_by_their_calls(glu, calls, work
     sizes = {"gdn in_proj": 2 * 12352 * 2560 * 24, "attn qkv": 2 * 10240 * 2560 * 8, "mlp gate_up": 2 * 18432 * 2560 * 32,
              "lm_head": 2 * 248320 * 2560}
     assert rows[0]["bytes_per_step"] == (sum(sizes[w] for w in work) if work else None)
+
+
+def test_ncu_summary_groups_kernels_and_ranks_stalls():
+    """bench/ncu_step.py's reading of an ncu --csv --page raw log: messages before the header, a
+    units row, kernels grouped by (name, grid), ns -> us, the largest stall reasons first."""
+    from ncu_step import ncu_rows, summary_rows
+
+    stall, per = "smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"
+    header = ["ID", "Kernel Name", "Grid Size", "gpu__time_duration.sum", "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+              stall + "long_scoreboard" + per, stall + "barrier" + per, stall + "wait" + per]
+    units = ["", "", "", "nsecond", "%", "", "", ""]
+    k1 = "void ocria_rt::cuda::(anonymous namespace)::rms_norm_kernel<__nv_bfloat16, 8, true>(__nv_bfloat16*, int)"
+    k2 = "void ocria_rt::cuda::(anonymous namespace)::gdn_decode_kernel<128>(const __nv_bfloat16*, long)"
+    data = [["0", k1, "(1, 1, 1)", "2000", "1.5", "9.0", "3.0", "1.0"],
+            ["1", k2, "(32, 1, 1)", "5000", "10", "2.0", "7.0", "4.0"],
+            ["2", k1, "(1, 1, 1)", "3000", "2.5", "8.0", "2.0", "1.0"]]
+    text = "==PROF== Connected to process 1\n" + "\n".join(",".join(f'"{c}"' for c in r) for r in [header, units] + data)
+    table = summary_rows(*ncu_rows(text))
+    assert [r["kernel"] for r in table] == ["rms_norm_kernel<__nv_bfloat16, 8, true>", "gdn_decode_kernel<128>"]
+    norm = table[0]
+    assert norm["calls"] == 2 and norm["us"] == 2.5 and norm["total us"] == 5.0 and norm["DRAM BW %"] == 2.0
+    assert norm["top stalls (per issue)"] == "long_scoreboard 8.5, barrier 2.5, wait 1.0"
+    assert table[1]["top stalls (per issue)"].startswith("barrier 7.0")

@@ -1,0 +1,142 @@
+"""Decode steps under Nsight Compute: per kernel, its time alone and the counters that say what bounds
+it (DRAM, L2 and SM throughput as % of peak, achieved occupancy, registers, the warp stall reasons).
+
+    ncu --clock-control none --profile-from-start off --graph-profiling node \\
+        --section SpeedOfLight --section Occupancy --section WarpStateStats --csv --page raw \\
+        --log-file OUT/ncu.csv python3 bench/ncu_step.py run --shape ocria1-4b --prompt 1024 --steps 2
+    python3 bench/ncu_step.py summarize OUT/ncu.csv --out OUT/ncu.md
+
+`run` builds the random checkpoint of the shape (bench/common.py), prefills the prompt, and turns the
+profiler on (cudaProfilerStart) for `steps` decode steps only. ncu runs every kernel by itself, several
+times over (one pass per counter group), so the times are those of each kernel alone, without the
+overlap programmatic dependent launch gives in the real step; the counters are what to read. On a
+machine whose runtime has no hardware counters (gVisor, /work/.library/device/KINDS.md) ncu fails.
+`summarize` groups the rows by kernel name and launch grid and prints a Markdown table, slowest
+groups first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import SHAPES, full_config, make_random_checkpoint, markdown_table  # noqa: E402
+from decode import short_kernel_name  # noqa: E402
+
+# ncu --page raw column names (metric name and unit row), as the sections above report them.
+COLUMNS = {
+    "us": "gpu__time_duration.sum",
+    "DRAM BW %": "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    "L2 %": "lts__throughput.avg.pct_of_peak_sustained_elapsed",
+    "SM %": "sm__throughput.avg.pct_of_peak_sustained_elapsed",
+    "occupancy %": "sm__warps_active.avg.pct_of_peak_sustained_active",
+    "regs": "launch__registers_per_thread",
+}
+# WarpStateStats: warps stalled per issued instruction, by reason.
+STALL_PREFIX, STALL_SUFFIX = "smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"
+
+
+def run(args: argparse.Namespace) -> None:
+    import numpy as np
+    import torch
+
+    import ocria_rt
+
+    c = full_config(SHAPES[args.shape])
+    model_dir = make_random_checkpoint(args.shape, args.workdir / args.shape)
+    prompt = [int(t) for t in np.random.default_rng(0).integers(0, c["vocab_size"], args.prompt)]
+    eng = ocria_rt.Engine(model_dir, device="cuda", max_context=args.prompt + args.steps + 16)
+    eng.generate(prompt[:64], max_new_tokens=4, stop_token_ids=[])  # graph capture, module load (not profiled)
+    tokens = eng.stream(prompt, max_new_tokens=args.steps + 3, stop_token_ids=[])
+    next(tokens)  # prefill and the first token
+    next(tokens)  # a step queued ahead of the first read is done too
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for _ in range(args.steps):
+        next(tokens)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    for _ in tokens:
+        pass
+
+
+def number(s: str) -> float | None:
+    try:
+        return float(s.replace(",", ""))
+    except ValueError:
+        return None
+
+
+def ncu_rows(text: str) -> tuple[list[str], list[dict]]:
+    """The header and the kernel rows of ncu's --csv --page raw log (its own messages, ==PROF== ...,
+    may come first; the row after the header holds the units)."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith('"') and '"Kernel Name"' in line)
+    reader = csv.reader(lines[start:])
+    header = next(reader)
+    rows = [dict(zip(header, r)) for r in reader if len(r) == len(header)]
+    return header, [r for r in rows if r.get("Kernel Name")]  # (the units row names no kernel)
+
+
+def summary_rows(header: list[str], rows: list[dict]) -> list[dict]:
+    """One row per (kernel, grid): calls, medians of the COLUMNS, the three largest stall reasons."""
+    stall_cols = [h for h in header if h.startswith(STALL_PREFIX) and h.endswith(STALL_SUFFIX)]
+    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for r in rows:
+        groups[(short_kernel_name(r["Kernel Name"]), r.get("Grid Size", "?"))].append(r)
+    table = []
+    for (name, grid), rs in groups.items():
+        row = {"kernel": name[:60], "grid": grid, "calls": len(rs)}
+        for label, col in COLUMNS.items():
+            vals = [v for v in (number(r.get(col, "")) for r in rs) if v is not None]
+            row[label] = round(statistics.median(vals), 1) if vals else "-"
+        if isinstance(row["us"], float):
+            row["us"] = round(row["us"] / 1000, 2)  # ncu reports ns
+        stalls = []
+        for col in stall_cols:
+            vals = [v for v in (number(r.get(col, "")) for r in rs) if v is not None]
+            if vals:
+                stalls.append((statistics.median(vals), col[len(STALL_PREFIX):-len(STALL_SUFFIX)]))
+        row["top stalls (per issue)"] = ", ".join(f"{n} {v:.1f}" for v, n in sorted(stalls, reverse=True)[:3])
+        row["total us"] = round(row["us"] * len(rs), 1) if isinstance(row["us"], float) else "-"
+        table.append(row)
+    table.sort(key=lambda r: -(r["total us"] if isinstance(r["total us"], float) else 0))
+    return table
+
+
+def summarize(args: argparse.Namespace) -> None:
+    table = summary_rows(*ncu_rows(Path(args.csv).read_text()))
+    cols = ["kernel", "grid", "calls", "us", "total us", "DRAM BW %", "L2 %", "SM %", "occupancy %", "regs",
+            "top stalls (per issue)"]
+    text = markdown_table(table, cols)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="the workload to start under ncu")
+    r.add_argument("--shape", default="ocria1-4b", choices=sorted(SHAPES))
+    r.add_argument("--prompt", type=int, default=1024)
+    r.add_argument("--steps", type=int, default=2)
+    r.add_argument("--workdir", type=Path, default=Path("/tmp/ocria-bench"))
+    s = sub.add_parser("summarize", help="a Markdown table from ncu's --csv --page raw log")
+    s.add_argument("csv", type=Path)
+    s.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    if args.cmd == "run":
+        run(args)
+    else:
+        summarize(args)
+
+
+if __name__ == "__main__":
+    main()
