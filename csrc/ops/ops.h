@@ -20,14 +20,14 @@
 
 namespace ocria_rt {
 
-// A linear layer's weight in its storage format. Only dense weights exist today; FP8 (E4M3 with
-// per-channel scales) and NVFP4 (E2M1 in 16-element blocks with E4M3 block scales and an fp32
-// tensor scale) will add formats here, chosen per layer.
 // The GLU layout of a fused [gate; up] projection: its rows (its output columns) alternate between
 // kGluGroup rows of gate and the same kGluGroup rows of up, so that a 16-row tile of the weight
 // yields both halves of 8 activations (the CUDA skinny GEMM applies silu(gate) * up as it stores).
 constexpr int64_t kGluGroup = 8;
 
+// A linear layer's weight in its storage format. Only dense weights exist today; FP8 (E4M3 with
+// per-channel scales) and NVFP4 (E2M1 in 16-element blocks with E4M3 block scales and an fp32
+// tensor scale) will add formats here, chosen per layer.
 struct LinearWeight {
   enum class Format { kDense };
   Format format = Format::kDense;
@@ -126,9 +126,12 @@ class Backend {
 
   // act [T, I] = silu(gate) * up with [gate | up] = x · W^T, W [2I, K] holding the rows of the gate
   // and up projections in the GLU layout (WeightLoader::glu_linear): the MLP's first half. `scratch`
-  // [T, 2I] is for backends that form x · W^T in memory first (the CPU; CUDA above 16 tokens); the
-  // CUDA decode path applies the activation as it stores and leaves `scratch` untouched.
-  virtual void linear_glu(const Tensor& x, const LinearWeight& w, const Tensor& scratch, const Tensor& act) = 0;
+  // [T, 2I] holds x · W^T where it is formed in memory first (this default, the CPU's; CUDA above 16
+  // tokens); the CUDA decode path applies the activation as it stores and leaves `scratch` untouched.
+  virtual void linear_glu(const Tensor& x, const LinearWeight& w, const Tensor& scratch, const Tensor& act) {
+    linear(x, w, scratch);
+    silu_mul(scratch, act);
+  }
 
   // Gated attention, step 1. qkv [T, Hq*2*hd + 2*Hkv*hd]: per q head [q (hd) | gate (hd)], then the
   // Hkv key heads, then the Hkv value heads. Applies q_norm / k_norm (zero-centred RMSNorm per head)

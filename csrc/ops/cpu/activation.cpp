@@ -28,8 +28,9 @@ void CpuBackend::gelu(const Tensor& x, const Tensor& out, bool tanh_approximatio
 
 void CpuBackend::silu_mul(const Tensor& gate_up, const Tensor& out) {
   const int64_t T = out.dim(0), I = out.dim(1);
-  if (gate_up.dim(1) != 2 * I || I % kGluGroup != 0) throw Error(ErrorCode::kInternal, "silu_mul: gate_up " + gate_up.shape_str() + " vs out " + out.shape_str() +
-                                                 " (gate_up [T, 2I], out [T, I], I a multiple of 8)");
+  if (gate_up.dim(1) != 2 * I || I % kGluGroup != 0)
+    throw Error(ErrorCode::kInternal, "silu_mul: gate_up " + gate_up.shape_str() + " vs out " + out.shape_str() +
+                                          " (gate_up [T, 2I], out [T, I], I a multiple of 8)");
 #pragma omp parallel for num_threads(threads_) if (T > 4)
   for (int64_t t = 0; t < T; ++t) {
     const float* gu = row_f32(gate_up, t);

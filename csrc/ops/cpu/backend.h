@@ -32,10 +32,6 @@ class CpuBackend final : public Backend {
                     float eps) override;
   void add(const Tensor& residual, const Tensor& delta) override;
   void silu_mul(const Tensor& gate_up, const Tensor& out) override;
-  void linear_glu(const Tensor& x, const LinearWeight& w, const Tensor& scratch, const Tensor& act) override {
-    linear(x, w, scratch);
-    silu_mul(scratch, act);
-  }
   void attention_prepare(const Tensor& qkv, const Tensor& q_norm, const Tensor& k_norm, const Tensor& positions,
                          const Tensor& rope_positions, const AttentionParams& p, const Tensor& q_out,
                          const Tensor& k_cache, const Tensor& v_cache) override;
