@@ -39,20 +39,22 @@ def prefill_flops(c: dict, n: int) -> float:
 
 def engine_linears(c: dict) -> list[dict]:
     """The weight streams of one decode step as the engine fuses them (csrc/model/qwen35.h): name, N
-    (outputs), K (inputs), how many per step, and whether it is linear_glu, the MLP activation
-    applied as the skinny GEMM stores (its GLU template argument)."""
+    (outputs), K (inputs), how many per step, and `epi`, what its skinny GEMM does besides the product
+    (the template arguments GLU, ADD, NORM): the MLP activation applied as it stores (gate_up), the
+    residual add (the projections that end a residual block), the RMSNorm scale (those that start one)."""
     H, I, hd = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     Hq, Hkv = c["num_attention_heads"], c["num_key_value_heads"]
     HK, HV, dk, dv = c["linear_num_key_heads"], c["linear_num_value_heads"], c["linear_key_head_dim"], c["linear_value_head_dim"]
     L = c["num_hidden_layers"]
     n_attn = sum(layer_is_attention(i) for i in range(L))
-    return [dict(name="attn qkv", N=Hq * 2 * hd + 2 * Hkv * hd, K=H, count=n_attn, glu=False),
-            dict(name="attn o", N=H, K=Hq * hd, count=n_attn, glu=False),
-            dict(name="gdn in_proj", N=2 * HK * dk + 2 * HV * dv + 2 * HV, K=H, count=L - n_attn, glu=False),
-            dict(name="gdn out", N=H, K=HV * dv, count=L - n_attn, glu=False),
-            dict(name="mlp gate_up", N=2 * I, K=H, count=L, glu=True),
-            dict(name="mlp down", N=H, K=I, count=L, glu=False),
-            dict(name="lm_head", N=c["vocab_size"], K=H, count=1, glu=False)]
+    norm, add, glu_norm, plain = (False, False, True), (False, True, False), (True, False, True), (False, False, False)
+    return [dict(name="attn qkv", N=Hq * 2 * hd + 2 * Hkv * hd, K=H, count=n_attn, epi=norm),
+            dict(name="attn o", N=H, K=Hq * hd, count=n_attn, epi=add),
+            dict(name="gdn in_proj", N=2 * HK * dk + 2 * HV * dv + 2 * HV, K=H, count=L - n_attn, epi=norm),
+            dict(name="gdn out", N=H, K=HV * dv, count=L - n_attn, epi=add),
+            dict(name="mlp gate_up", N=2 * I, K=H, count=L, epi=glu_norm),
+            dict(name="mlp down", N=H, K=I, count=L, epi=add),
+            dict(name="lm_head", N=c["vocab_size"], K=H, count=1, epi=plain)]
 
 
 def short_kernel_name(name: str) -> str:
@@ -111,9 +113,10 @@ def label_groups(rows: list[dict], c: dict, context: int) -> None:
         name, grid = r["kernel"], r["grid"]
         r["work"], r["bytes_per_step"] = "", None
         if name.startswith("skinny_gemm_kernel<") and grid:
-            targs = [a.strip() for a in name.split("<", 1)[1].split(",")]  # WARPS, NT, U, S, GLU, SPLIT, CS, PERSIST, OutT
-            glu, blocks_per_tile, persistent = targs[4] == "true", int(targs[6]), targs[7] == "true"
-            same_kind = [l for l in linears if l["glu"] == glu]
+            # WARPS, NT, U, S, GLU, ADD, NORM, SPLIT, CS, PERSIST, OutT
+            targs = [a.strip() for a in name.split("<", 1)[1].split(",")]
+            epi, blocks_per_tile, persistent = tuple(a == "true" for a in targs[4:7]), int(targs[8]), targs[9] == "true"
+            same_kind = [l for l in linears if l["epi"] == epi]
             if persistent:  # the grid is the blocks that fit at once, not the tiles
                 hits = linears_by_calls([l for l in same_kind if (l["N"] + 15) // 16 >= grid[0]], r.get("calls_per_step"))
             else:

@@ -40,14 +40,14 @@ HQ, HKV, HD = C["num_attention_heads"], C["num_key_value_heads"], C["head_dim"]
 HK, HV, DK, DV = (C["linear_num_key_heads"], C["linear_num_value_heads"], C["linear_key_head_dim"],
                   C["linear_value_head_dim"])
 
-LINEAR_SHAPES = [  # name, N (out), K (in), GLU (linear_glu: out [M, N / 2] = silu(gate) * up)
-    ("gdn qkvzba (fused in_proj)", 2 * HK * DK + HV * DV * 2 + 2 * HV, H, False),  # 12352
-    ("attn qkv (fused q|gate, k, v)", HQ * HD * 2 + 2 * HKV * HD, H, False),  # 10240
-    ("attn o_proj", H, HQ * HD, False),  # 2560 x 4096
-    ("gdn out_proj", H, HV * DV, False),  # 2560 x 4096
-    ("mlp gate_up", 2 * I, H, True),  # 18432 x 2560
-    ("mlp down", H, I, False),  # 2560 x 9216
-    ("lm_head", V, H, False),  # 248320 x 2560
+LINEAR_SHAPES = [  # name, N (out), K (in), the op as a decode step runs it (KernelBench.linear)
+    ("gdn qkvzba (fused in_proj)", 2 * HK * DK + HV * DV * 2 + 2 * HV, H, "rms_norm_linear"),  # 12352
+    ("attn qkv (fused q|gate, k, v)", HQ * HD * 2 + 2 * HKV * HD, H, "rms_norm_linear"),  # 10240
+    ("attn o_proj", H, HQ * HD, "linear_add"),  # 2560 x 4096
+    ("gdn out_proj", H, HV * DV, "linear_add"),  # 2560 x 4096
+    ("mlp gate_up", 2 * I, H, "rms_norm_linear_glu"),  # 18432 x 2560, out [M, N / 2] = silu(gate) * up
+    ("mlp down", H, I, "linear_add"),  # 2560 x 9216
+    ("lm_head", V, H, "linear"),  # 248320 x 2560
 ]
 DECODE_M = [1, 2, 4, 8, 16]
 PREFILL_M = 8192
@@ -69,9 +69,11 @@ def kernel_bench_with_env(core, var: str, value: str):
             os.environ[var] = saved
 
 
-def linear_bytes(M: int, N: int, K: int, glu: bool) -> int:
-    """BF16 bytes a decode linear must move: the weight, x, and out (N / 2 columns with GLU)."""
-    return 2 * (N * K + M * K + M * (N // 2 if glu else N))
+def linear_bytes(M: int, N: int, K: int, op: str) -> int:
+    """BF16 bytes a decode linear op must move: the weight, x, and out (N / 2 columns with the GLU
+    activation; read and written again for a residual add)."""
+    out = M * (N // 2 if op.endswith("_glu") else N)
+    return 2 * (N * K + M * K + out * (2 if op == "linear_add" else 1))
 
 
 def med(xs: list[float]) -> float:
@@ -201,11 +203,11 @@ def main() -> None:
 
     # ---- linear, M <= 16: weight streaming ----
     rows = []
-    for shape, N, K, glu in ([] if args.skip_linear else LINEAR_SHAPES):
-        name = shape + (" (linear_glu)" if glu else "")
+    for shape, N, K, op in ([] if args.skip_linear else LINEAR_SHAPES):
+        name = f"{shape} ({op})"
         for M in DECODE_M:
-            nbytes = linear_bytes(M, N, K, glu)
-            us = med(kb.linear(M, N, K, glu, iters=iters_for(nbytes / bw), reps=args.reps))
+            nbytes = linear_bytes(M, N, K, op)
+            us = med(kb.linear(M, N, K, op, iters=iters_for(nbytes / bw), reps=args.reps))
             got = nbytes / (us * 1e-6)
             r = {"shape": name, "M": M, "N": N, "K": K, "us": round(us, 2), "TB/s": round(got / 1e12, 3),
                  "of copy BW": f"{got / bw:.0%}"}
@@ -231,10 +233,10 @@ def main() -> None:
         rows = []
         for k in sweep:
             kb_k = kernel_bench_with_env(_core, var, k)
-            for name, N, K, glu in LINEAR_SHAPES:
+            for name, N, K, op in LINEAR_SHAPES:
                 for M in (1, 16):
-                    nbytes = linear_bytes(M, N, K, glu)
-                    us = med(kb_k.linear(M, N, K, glu, iters=iters_for(nbytes / bw), reps=args.reps))
+                    nbytes = linear_bytes(M, N, K, op)
+                    us = med(kb_k.linear(M, N, K, op, iters=iters_for(nbytes / bw), reps=args.reps))
                     got = nbytes / (us * 1e-6)
                     r = {key: k, "shape": name, "M": M, "N": N, "K": K, "us": round(us, 2), "of copy BW": f"{got / bw:.0%}"}
                     rows.append(r)

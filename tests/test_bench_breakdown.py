@@ -50,14 +50,18 @@ def test_engine_linears_are_every_projection_once():
 N2560 = "attn o / gdn out / mlp down"
 
 
-@pytest.mark.parametrize("grid,glu,cs,work", [((160, 1, 1), "false", 1, N2560),
-                                              ((640, 1, 1), "false", 4, N2560),  # not attn qkv's 640 tiles
-                                              ((1152, 1, 1), "true", 1, "mlp gate_up"),
-                                              ((1152, 1, 1), "false", 1, ""), ((160, 1, 1), "true", 1, ""),
-                                              ((15520, 1, 1), "false", 1, "lm_head"), ((999, 1, 1), "false", 1, "")])
-def test_skinny_gemm_groups_get_their_linears_bytes(grid, glu, cs, work):
+# The template arguments GLU, ADD, NORM of each kind of linear (bench/decode.py, engine_linears).
+ADD, NORM, GLU_NORM, PLAIN = "false, true, false", "false, false, true", "true, false, true", "false, false, false"
+
+
+@pytest.mark.parametrize("grid,epi,cs,work", [((160, 1, 1), ADD, 1, N2560),
+                                              ((640, 1, 1), ADD, 4, N2560),  # not attn qkv's 640 tiles
+                                              ((1152, 1, 1), GLU_NORM, 1, "mlp gate_up"),
+                                              ((1152, 1, 1), PLAIN, 1, ""), ((160, 1, 1), GLU_NORM, 1, ""),
+                                              ((15520, 1, 1), PLAIN, 1, "lm_head"), ((999, 1, 1), PLAIN, 1, "")])
+def test_skinny_gemm_groups_get_their_linears_bytes(grid, epi, cs, work):
     c = full_config(SHAPES["ocria1-4b"])
-    rows = [{"kernel": f"skinny_gemm_kernel<16, 1, 2, 3, {glu}, false, {cs}, false, __nv_bfloat16>", "grid": list(grid)},
+    rows = [{"kernel": f"skinny_gemm_kernel<16, 1, 2, 3, {epi}, false, {cs}, false, __nv_bfloat16>", "grid": list(grid)},
             {"kernel": "gdn_decode_kernel<128>", "grid": [32, 1, 1]}]
     label_groups(rows, c, 1024)
     assert rows[0]["work"] == work
@@ -67,17 +71,17 @@ def test_skinny_gemm_groups_get_their_linears_bytes(grid, glu, cs, work):
     assert rows[1]["work"].startswith("DeltaNet") and rows[1]["bytes_per_step"] > 0
 
 
-@pytest.mark.parametrize("glu,calls,work", [("false", 32, {"gdn in_proj", "attn qkv"}),
-                                            ("false", 33, {"gdn in_proj", "attn qkv", "lm_head"}),
-                                            ("true", 32, {"mlp gate_up"}),
-                                            ("false", 24, {"gdn in_proj"}),
-                                            ("true", 33, set()), ("false", 50, set())])  # no subset
-def test_persistent_skinny_gemm_groups_are_found_by_their_calls(glu, calls, work):
+@pytest.mark.parametrize("epi,calls,work", [(NORM, 32, {"gdn in_proj", "attn qkv"}),
+                                            (NORM, 24, {"gdn in_proj"}),
+                                            (PLAIN, 1, {"lm_head"}),
+                                            (GLU_NORM, 32, {"mlp gate_up"}),
+                                            (GLU_NORM, 33, set()), (NORM, 50, set())])  # no subset
+def test_persistent_skinny_gemm_groups_are_found_by_their_calls(epi, calls, work):
     """Persistent launches share one grid (the blocks that fit at once): the group is the one set of
-    linears of the same kind (GLU or not) and at least that many tiles whose layer counts add up to
-    its calls per step."""
+    linears of the same kind (the same GLU, ADD and NORM) and at least that many tiles whose layer
+    counts add up to its calls per step."""
     c = full_config(SHAPES["ocria1-4b"])
-    rows = [{"kernel": f"skinny_gemm_kernel<8, 1, 2, 4, {glu}, false, 1, true, __nv_bfloat16>", "grid": [396, 1, 1],
+    rows = [{"kernel": f"skinny_gemm_kernel<8, 1, 2, 4, {epi}, false, 1, true, __nv_bfloat16>", "grid": [396, 1, 1],
              "calls_per_step": calls}]
     label_groups(rows, c, 1024)
     assert set(filter(None, rows[0]["work"].split(" / "))) == work

@@ -46,11 +46,33 @@ def test_embedding(cpu):
 @pytest.mark.parametrize("R,D", [(1, 64), (5, 37), (33, 256)])
 def test_norms(cpu, R, D):
     rng = np.random.default_rng(R + D)
-    x, d, w = randn(rng, R, D, scale=3), randn(rng, R, D), randn(rng, D, scale=0.1)
+    x, w = randn(rng, R, D, scale=3), randn(rng, D, scale=0.1)
     assert relerr(cpu.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6)) <= TOL
-    res, out = cpu.add_rms_norm(x, d, w, 1e-6)
-    assert relerr(res, x.astype(np.float64) + d) <= TOL
-    assert relerr(out, ref.rms_norm(x.astype(np.float64) + d, w, 1e-6)) <= TOL
+    assert relerr(cpu.rms_norm(x, None, 1e-6), ref.rms_norm(x, np.zeros(D), 1e-6)) <= TOL  # the unit weight
+
+
+def test_fold_norm_weight(cpu):
+    rng = np.random.default_rng(3)
+    w, nw = randn(rng, 9, 40), randn(rng, 40, scale=0.1)
+    np.testing.assert_allclose(cpu.fold_norm_weight(w, nw), w * (1 + nw), rtol=1e-6)
+
+
+@pytest.mark.parametrize("M,K,N", [(1, 64, 96), (5, 33, 48), (20, 128, 16)])
+def test_residual_block_ends(cpu, M, K, N):
+    """rms_norm_linear(_glu) of a folded weight against the RMSNorm (with its weight) and the linear
+    apart; linear_add against residual + x · W^T."""
+    rng = np.random.default_rng(M + K + N)
+    x, w, nw, bias = randn(rng, M, K, scale=3), randn(rng, N, K), randn(rng, K, scale=0.1), randn(rng, N)
+    normed = ref.rms_norm(x, nw, 1e-6)
+    folded = cpu.fold_norm_weight(w, nw)
+    out, unit_normed = cpu.rms_norm_linear(x, folded, 1e-6, bias)
+    assert relerr(out, normed @ w.T.astype(np.float64) + bias) <= TOL
+    assert relerr(unit_normed, ref.rms_norm(x, np.zeros(K), 1e-6)) <= TOL  # the default forms it in `normed`
+    gate, up = w[: N // 2], w[N // 2:]
+    act, _ = cpu.rms_norm_linear(x, cpu.fold_norm_weight(ref.glu_layout(gate, up), nw), 1e-6, glu=True)
+    assert relerr(act, ref.silu(normed @ gate.T.astype(np.float64)) * (normed @ up.T.astype(np.float64))) <= TOL
+    res = randn(rng, M, N)
+    assert relerr(cpu.linear_add(x, w, res, bias), res + x.astype(np.float64) @ w.T + bias) <= TOL
 
 
 def test_silu_mul(cpu):

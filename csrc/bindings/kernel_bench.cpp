@@ -29,18 +29,28 @@ class KernelBench {
                             : make_cuda_backend(device == "cuda" ? 0 : std::stoi(device.substr(5)))) {}
   ~KernelBench() { release_all(); }
 
-  // Microseconds per call of linear: out[M, N] = x[M, K] W[N, K]^T; glu: of linear_glu, W the gate
-  // and up rows in the GLU layout and out [M, N / 2] = silu(gate) * up.
-  std::vector<double> linear(int64_t M, int64_t N, int64_t K, bool glu, int iters, int reps) {
+  // Microseconds per call of a linear op on x [M, K] and W [N, K], as the decode step runs it: "linear"
+  // (out[M, N] = x W^T), "linear_glu" (W the gate and up rows in the GLU layout, out [M, N / 2] =
+  // silu(gate) * up), "rms_norm_linear" / "rms_norm_linear_glu" (the same of x's unit RMSNorm), or
+  // "linear_add" (an [M, N] residual += x W^T).
+  std::vector<double> linear(int64_t M, int64_t N, int64_t K, const std::string& op, int iters, int reps) {
     Scope scope(this);
     const int64_t copies = copies_for(N * K * dtype_size(be_->weight_dtype()));
     std::vector<LinearWeight> ws(copies);
     for (auto& w : ws) w.weight = random({N, K}, be_->weight_dtype(), 1.0f / std::sqrt(float(K)));
     const DType act = be_->activation_dtype();
-    Tensor x = random({M, K}, act, 1.0f), out = alloc({M, N}, act);
-    if (!glu) return time([&](int i) { be_->linear(x, ws[i % copies], out); }, iters, reps);
-    Tensor half = alloc({M, N / 2}, act);
-    return time([&](int i) { be_->linear_glu(x, ws[i % copies], out, half); }, iters, reps);
+    Tensor x = random({M, K}, act, 1.0f), out = alloc({M, N}, act), half = alloc({M, N / 2}, act);
+    Tensor normed = alloc({M, K}, act), delta = alloc({M, N}, act);
+    const float eps = 1e-6f;
+    std::function<void(int)> call;
+    if (op == "linear") call = [&](int i) { be_->linear(x, ws[i % copies], out); };
+    else if (op == "linear_glu") call = [&](int i) { be_->linear_glu(x, ws[i % copies], out, half); };
+    else if (op == "rms_norm_linear") call = [&](int i) { be_->rms_norm_linear(x, eps, ws[i % copies], normed, out); };
+    else if (op == "rms_norm_linear_glu")
+      call = [&](int i) { be_->rms_norm_linear_glu(x, eps, ws[i % copies], normed, out, half); };
+    else if (op == "linear_add") call = [&](int i) { be_->linear_add(x, ws[i % copies], delta, out); };
+    else throw Error(ErrorCode::kInvalidArgument, "KernelBench.linear: unknown op '" + op + "'");
+    return time(call, iters, reps);
   }
 
   // Microseconds per call of gdn_recurrent (or gdn_chunked) over T tokens.
@@ -232,7 +242,7 @@ void register_kernel_bench(py::module_& m) {
                           "Every method returns microseconds per call, one figure per replay.")
       .def(py::init<const std::string&>(), py::arg("device"))
       .def_property_readonly("name", &KernelBench::name)
-      .def("linear", &KernelBench::linear, py::arg("M"), py::arg("N"), py::arg("K"), py::arg("glu") = false,
+      .def("linear", &KernelBench::linear, py::arg("M"), py::arg("N"), py::arg("K"), py::arg("op") = "linear",
            py::arg("iters") = 50, py::arg("reps") = 10)
       .def("gdn", &KernelBench::gdn, py::arg("T"), py::arg("hk"), py::arg("hv"), py::arg("dk"), py::arg("dv"),
            py::arg("chunked") = false, py::arg("iters") = 50, py::arg("reps") = 10)

@@ -123,34 +123,66 @@ void register_op_runner(py::module_& m) {
         r.be().linear_glu(r.upload(x, r.act()), lw, scratch, act);
         return r.download(act);
       })
-      .def("rms_norm", [](OpRunner& r, F32Array x, F32Array w, float eps) {
-        Tensor xt = r.upload(x, r.act()), out = r.poisoned({x.shape(0), x.shape(1)}, r.act());
-        r.be().rms_norm(xt, r.upload(w, DType::F32), out, eps);
-        return r.download(out);
+      .def(
+          "rms_norm",
+          [](OpRunner& r, F32Array x, std::optional<F32Array> w, float eps) {
+            // w None: the unit weight (a norm whose weight is folded into the next linear).
+            Tensor xt = r.upload(x, r.act()), out = r.poisoned({x.shape(0), x.shape(1)}, r.act());
+            r.be().rms_norm(xt, w ? r.upload(*w, DType::F32) : Tensor(), out, eps);
+            return r.download(out);
+          },
+          py::arg("x"), py::arg("w"), py::arg("eps"))
+      .def("fold_norm_weight", [](OpRunner& r, F32Array w, F32Array norm_w) {
+        // W [N, K] as the backend stores it after the fold, read back.
+        Tensor wt = r.upload(w, r.wt());
+        r.be().fold_norm_weight(wt, r.upload(norm_w, DType::F32));
+        return r.download(wt);
       })
-      .def("add_rms_norm", [](OpRunner& r, F32Array residual, F32Array delta, F32Array w, float eps) {
-        Tensor res = r.upload(residual, r.act()), out = r.poisoned({residual.shape(0), residual.shape(1)}, r.act());
-        r.be().add_rms_norm(res, r.upload(delta, r.act()), r.upload(w, DType::F32), out, eps);
-        return py::make_tuple(r.download(res), r.download(out));
-      })
-      .def("mlp_chain", [](OpRunner& r, F32Array residual, F32Array delta, F32Array norm_w, F32Array w_gate_up,
-                           F32Array w_down, int layers, float eps) {
-        // `layers` times add_rms_norm (residual += delta) -> linear_glu (act) -> linear (delta),
-        // then a last add_rms_norm, all enqueued before anything is read back: dependent kernels
-        // back to back, as in a decode step. Returns (residual, normed).
+      .def(
+          "rms_norm_linear",
+          [](OpRunner& r, F32Array x, F32Array w, float eps, std::optional<F32Array> bias, bool glu) {
+            // rms_norm(x, unit) · W^T, or with glu its silu(gate) * up (W in the GLU layout). W is taken
+            // as already folded. Returns (out, normed): `normed` comes back NaN where it was not written.
+            LinearWeight lw;
+            lw.weight = r.upload(w, r.wt());
+            if (bias) lw.bias = r.upload(*bias, DType::F32);
+            const py::ssize_t M = x.shape(0), N = w.shape(0);
+            Tensor xt = r.upload(x, r.act()), normed = r.poisoned({M, x.shape(1)}, r.act());
+            Tensor out = r.poisoned({M, glu ? N / 2 : N}, r.act());
+            if (glu) r.be().rms_norm_linear_glu(xt, eps, lw, normed, r.poisoned({M, N}, r.act()), out);
+            else r.be().rms_norm_linear(xt, eps, lw, normed, out);
+            return py::make_tuple(r.download(out), r.download(normed));
+          },
+          py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("bias") = py::none(), py::arg("glu") = false)
+      .def(
+          "linear_add",
+          [](OpRunner& r, F32Array x, F32Array w, F32Array residual, std::optional<F32Array> bias) {
+            // residual += x · W^T; returns the residual.
+            LinearWeight lw;
+            lw.weight = r.upload(w, r.wt());
+            if (bias) lw.bias = r.upload(*bias, DType::F32);
+            Tensor res = r.upload(residual, r.act());
+            r.be().linear_add(r.upload(x, r.act()), lw, r.poisoned({x.shape(0), w.shape(0)}, r.act()), res);
+            return r.download(res);
+          },
+          py::arg("x"), py::arg("w"), py::arg("residual"), py::arg("bias") = py::none())
+      .def("block_chain", [](OpRunner& r, F32Array residual, F32Array w_gate_up, F32Array w_down, int layers,
+                             float eps) {
+        // `layers` MLP residual blocks, residual += down(silu(gate) * up of rms_norm(residual, unit)),
+        // then the final rms_norm(residual, unit), all enqueued before anything is read back: dependent
+        // kernels back to back, as in a decode step. Returns (residual, normed).
         const py::ssize_t M = residual.shape(0), H = residual.shape(1), I2 = w_gate_up.shape(0);
         LinearWeight gu, down;
         gu.weight = r.upload(w_gate_up, r.wt());
         down.weight = r.upload(w_down, r.wt());
-        Tensor res = r.upload(residual, r.act()), d = r.upload(delta, r.act()), w = r.upload(norm_w, DType::F32);
+        Tensor res = r.upload(residual, r.act());
         Tensor normed = r.poisoned({M, H}, r.act()), gate_up = r.poisoned({M, I2}, r.act());
-        Tensor act = r.poisoned({M, I2 / 2}, r.act());
+        Tensor act = r.poisoned({M, I2 / 2}, r.act()), delta = r.poisoned({M, H}, r.act());
         for (int i = 0; i < layers; ++i) {
-          r.be().add_rms_norm(res, d, w, normed, eps);
-          r.be().linear_glu(normed, gu, gate_up, act);
-          r.be().linear(act, down, d);
+          r.be().rms_norm_linear_glu(res, eps, gu, normed, gate_up, act);
+          r.be().linear_add(act, down, delta, res);
         }
-        r.be().add_rms_norm(res, d, w, normed, eps);
+        r.be().rms_norm(res, Tensor(), normed, eps);
         return py::make_tuple(r.download(res), r.download(normed));
       })
       .def("layer_norm", [](OpRunner& r, F32Array x, F32Array w, F32Array b, float eps) {

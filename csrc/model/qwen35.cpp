@@ -36,13 +36,16 @@ Qwen35Model::Qwen35Model(const ModelConfig& config, const Checkpoint& ck, Backen
     const std::string p = "layers." + std::to_string(i) + ".";
     DecoderLayer L;
     L.full_attention = c.full_attention[i];
-    L.input_norm = w.load(p + "input_layernorm.weight", {H}, f32);
-    L.post_norm = w.load(p + "post_attention_layernorm.weight", {H}, f32);
+    // The two RMSNorms' weights are folded into the projections that read their output (ops.h,
+    // fold_norm_weight): the forward normalises without a weight.
+    const Tensor input_norm = w.load(p + "input_layernorm.weight", {H}, f32);
+    const Tensor post_norm = w.load(p + "post_attention_layernorm.weight", {H}, f32);
     if (L.full_attention) {
       const std::string a = p + "self_attn.";
       L.attn.qkv = w.linear({{a + "q_proj.weight", {Hq * 2 * hd, H}},
                              {a + "k_proj.weight", {Hkv * hd, H}},
                              {a + "v_proj.weight", {Hkv * hd, H}}});
+      be_.fold_norm_weight(L.attn.qkv.weight, input_norm);
       L.attn.o = w.linear({{a + "o_proj.weight", {H, Hq * hd}}});
       L.attn.q_norm = w.load(a + "q_norm.weight", {hd}, f32);
       L.attn.k_norm = w.load(a + "k_norm.weight", {hd}, f32);
@@ -52,6 +55,7 @@ Qwen35Model::Qwen35Model(const ModelConfig& config, const Checkpoint& ck, Backen
                                 {g + "in_proj_z.weight", {HV * dv, H}},
                                 {g + "in_proj_b.weight", {HV, H}},
                                 {g + "in_proj_a.weight", {HV, H}}});
+      be_.fold_norm_weight(L.gdn.in_proj.weight, input_norm);
       L.gdn.out = w.linear({{g + "out_proj.weight", {H, HV * dv}}});
       // conv1d.weight is [C, 1, K] in the checkpoint.
       const TensorRecord& cw = ck.require(base + g + "conv1d.weight", {C, 1, K});
@@ -62,6 +66,7 @@ Qwen35Model::Qwen35Model(const ModelConfig& config, const Checkpoint& ck, Backen
       L.gdn.norm = w.load(g + "norm.weight", {dv}, f32);
     }
     L.gate_up = w.glu_linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", I, H);
+    be_.fold_norm_weight(L.gate_up.weight, post_norm);
     L.down = w.linear({{p + "mlp.down_proj.weight", {H, I}}});
     layers_.push_back(std::move(L));
   }
@@ -131,7 +136,7 @@ void Qwen35Model::forward_embedded(int64_t T, const Tensor& positions, const Ten
   Tensor x = ws.residual.rows(0, T), normed = ws.normed.rows(0, T), delta = ws.delta.rows(0, T);
   Tensor proj = ws.proj.rows(0, T), mixed = ws.mixed.rows(0, T);
 
-  be_.rms_norm(x, layers_[0].input_norm, normed, eps);
+  // Each residual block: x += f(rms_norm(x)), the norm's weight folded into f's first projection.
   for (size_t li = 0; li < layers_.size(); ++li) {
     const DecoderLayer& L = layers_[li];
     SequenceState::Layer& S = state.layers[li];
@@ -139,15 +144,15 @@ void Qwen35Model::forward_embedded(int64_t T, const Tensor& positions, const Ten
       const int64_t hq = attn_.num_q_heads * attn_.head_dim;
       Tensor qkv = proj.cols(0, L.attn.qkv.out_features());
       Tensor q = ws.q.rows(0, T), attn_out = mixed.cols(0, hq);
-      be_.linear(normed, L.attn.qkv, qkv);
+      be_.rms_norm_linear(x, eps, L.attn.qkv, normed, qkv);
       be_.attention_prepare(qkv, L.attn.q_norm, L.attn.k_norm, positions, rope_positions, attn_, q, S.k_cache, S.v_cache);
       be_.attention(q, S.k_cache, S.v_cache, qkv, positions, attn_, attn_out);
-      be_.linear(attn_out, L.attn.o, delta);
+      be_.linear_add(attn_out, L.attn.o, delta, x);
     } else {
       const int64_t C = gdn_.conv_dim(), vdim = gdn_.num_v_heads * gdn_.v_head_dim, HV = gdn_.num_v_heads;
       Tensor all = proj.cols(0, L.gdn.in_proj.out_features());
       Tensor conv_out = mixed.cols(0, C), o = ws.gdn_out.rows(0, T), gated = ws.gated.rows(0, T);
-      be_.linear(normed, L.gdn.in_proj, all);
+      be_.rms_norm_linear(x, eps, L.gdn.in_proj, normed, all);
       if (chunked_gdn) {
         be_.gdn_conv(all.cols(0, C), L.gdn.conv_weight, S.conv_state, conv_out);
         be_.gdn_chunked(conv_out, all.cols(C + vdim, 2 * HV), L.gdn.A_log, L.gdn.dt_bias, S.recurrent, gdn_, o);
@@ -156,16 +161,14 @@ void Qwen35Model::forward_embedded(int64_t T, const Tensor& positions, const Ten
         be_.gdn_decode(all, L.gdn.conv_weight, S.conv_state, L.gdn.A_log, L.gdn.dt_bias, L.gdn.norm, S.recurrent, gdn_,
                        conv_out, o, gated);
       }
-      be_.linear(gated, L.gdn.out, delta);
+      be_.linear_add(gated, L.gdn.out, delta, x);
     }
-    be_.add_rms_norm(x, delta, L.post_norm, normed, eps);
     // SwiGLU MLP
     Tensor gate_up = proj.cols(0, 2 * I), act = mixed.cols(0, I);
-    be_.linear_glu(normed, L.gate_up, gate_up, act);
-    be_.linear(act, L.down, delta);
-    const Tensor& next_norm = li + 1 < layers_.size() ? layers_[li + 1].input_norm : final_norm_;
-    be_.add_rms_norm(x, delta, next_norm, normed, eps);
+    be_.rms_norm_linear_glu(x, eps, L.gate_up, normed, gate_up, act);
+    be_.linear_add(act, L.down, delta, x);
   }
+  be_.rms_norm(x, final_norm_, normed, eps);
 }
 
 void Qwen35Model::logits(const Tensor& hidden, const Tensor& out) const { be_.linear(hidden, lm_head_, out); }

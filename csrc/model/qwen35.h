@@ -24,8 +24,9 @@ struct DeltaNetLayer {
 };
 
 struct DecoderLayer {
+  // The input and post-attention RMSNorms have no tensors of their own: their weights are folded into
+  // the columns of qkv / in_proj and of gate_up (Backend::fold_norm_weight).
   bool full_attention = false;
-  Tensor input_norm, post_norm;  // [H]
   AttentionLayer attn;
   DeltaNetLayer gdn;
   LinearWeight gate_up, down;    // gate_up: [2I, H] in the GLU layout (ops.h)

@@ -110,12 +110,10 @@ class Backend {
   virtual void linear(const Tensor& x, const LinearWeight& w, const Tensor& out) = 0;
 
   // Zero-centred RMSNorm over the last dimension: out = x * rsqrt(mean(x^2) + eps) * (1 + w).
-  // x, out [R, D] (or any shape whose last dim is D, contiguous except dimension 0).
+  // x, out [R, D] (or any shape whose last dim is D, contiguous except dimension 0). An undefined
+  // weight is the unit scale, out = x * rsqrt(mean(x^2) + eps) (a norm whose weight has been folded
+  // into the linear after it, fold_norm_weight).
   virtual void rms_norm(const Tensor& x, const Tensor& weight, const Tensor& out, float eps) = 0;
-
-  // residual += delta; out = rms_norm(residual). The residual add and the next layer's norm in one pass.
-  virtual void add_rms_norm(const Tensor& residual, const Tensor& delta, const Tensor& weight,
-                            const Tensor& out, float eps) = 0;
 
   // residual += delta.
   virtual void add(const Tensor& residual, const Tensor& delta) = 0;
@@ -131,6 +129,37 @@ class Backend {
   virtual void linear_glu(const Tensor& x, const LinearWeight& w, const Tensor& scratch, const Tensor& act) {
     linear(x, w, scratch);
     silu_mul(scratch, act);
+  }
+
+  // ---- a residual block's ends: the decoder's RMSNorms are folded into the projections after them,
+  // so a norm and its linear, and a projection and its residual add, can each run as one pass ----
+
+  // W[:, k] *= 1 + norm_weight[k], rounded to W's dtype: the zero-centred RMSNorm weight (F32 [K])
+  // moved into the columns of the linear W [N, K] that reads the norm's output, once, at load time.
+  // Then rms_norm(x, w) · W^T = rms_norm(x, unit) · W'^T (up to that rounding).
+  virtual void fold_norm_weight(const Tensor& w, const Tensor& norm_weight) = 0;
+
+  // out [T, N] = rms_norm(x, unit) · W^T (+ bias): an RMSNorm of x [T, K] with its weight folded into W.
+  // `normed` [T, K] holds the normed rows where they are formed in memory first (this default; CUDA
+  // above 16 tokens); the CUDA decode path scales each token's products by rsqrt(mean(x^2) + eps)
+  // instead, and leaves `normed` untouched.
+  virtual void rms_norm_linear(const Tensor& x, float eps, const LinearWeight& w, const Tensor& normed,
+                               const Tensor& out) {
+    rms_norm(x, Tensor(), normed, eps);
+    linear(normed, w, out);
+  }
+  // The same before linear_glu: act [T, I] = silu(gate) * up of rms_norm(x, unit) · W^T.
+  virtual void rms_norm_linear_glu(const Tensor& x, float eps, const LinearWeight& w, const Tensor& normed,
+                                   const Tensor& scratch, const Tensor& act) {
+    rms_norm(x, Tensor(), normed, eps);
+    linear_glu(normed, w, scratch, act);
+  }
+  // residual [T, N] += x [T, K] · W^T, the product rounded to the activation dtype before the add (as
+  // linear into `delta` [T, N], then add, which this default does; the CUDA decode path adds as it
+  // stores, the same bits, and leaves `delta` untouched).
+  virtual void linear_add(const Tensor& x, const LinearWeight& w, const Tensor& delta, const Tensor& residual) {
+    linear(x, w, delta);
+    add(residual, delta);
   }
 
   // Gated attention, step 1. qkv [T, Hq*2*hd + 2*Hkv*hd]: per q head [q (hd) | gate (hd)], then the

@@ -80,12 +80,9 @@ NORM_SHAPES = [(1, 2560), (5, 37), (33, 256), (3, 4096), (100, 1024), (2, 9000),
 @pytest.mark.parametrize("R,D", NORM_SHAPES)
 def test_norms(cpu, gpu, R, D):
     rng = np.random.default_rng(R + D)
-    x, d, w = randn(rng, R, D, scale=3), randn(rng, R, D), randn(rng, D, scale=0.1)
+    x, w = randn(rng, R, D, scale=3), randn(rng, D, scale=0.1)
     assert relerr(gpu.rms_norm(x, w, 1e-6), cpu.rms_norm(x, w, 1e-6)) <= OUT_TOL
-    gres, gout = gpu.add_rms_norm(x, d, w, 1e-6)
-    cres, cout = cpu.add_rms_norm(x, d, w, 1e-6)
-    assert relerr(gres, cres) <= OUT_TOL
-    assert relerr(gout, cout) <= OUT_TOL
+    assert relerr(gpu.rms_norm(x, None, 1e-6), cpu.rms_norm(x, None, 1e-6)) <= OUT_TOL  # the unit weight
 
 
 @pytest.mark.parametrize("T,I", [(7, 40), (1, 9216), (16, 9216), (100, 512)])
@@ -256,6 +253,77 @@ def test_linear_glu_persistent(cpu, gpu_with_env, T, K, I):
     np.testing.assert_array_equal(got, gpu_with_env("OCRIA_RT_SKINNY_PERSISTENT", 0).linear_glu(x, w))
 
 
+# ---- a residual block's ends: the RMSNorm scale and the residual add in the skinny GEMM ----
+
+def test_fold_norm_weight(cpu, gpu):
+    """The fold rounds W * (1 + w) once, to BF16: exactly the CPU's fp32 fold, rounded."""
+    rng = np.random.default_rng(11)
+    w, nw = randn(rng, 300, 2560, scale=0.05), randn(rng, 2560, scale=0.2)
+    np.testing.assert_array_equal(gpu.fold_norm_weight(w, nw), bf16(cpu.fold_norm_weight(w, nw)))
+
+
+# M, K, N (GLU: N = 2I): the persistent (OCRIA-1's in_proj, qkv, gate_up), 16-warp (N = 2560, 1024:
+# few row tiles) and 8-warp configurations with one and two token tiles, odd N (a partial last tile),
+# K not a multiple of 32; M > 16 and K % 8 != 0 take the default (norm through memory, then the GEMM).
+NORM_LINEAR_CASES = [(1, 2560, 12352), (1, 2560, 10240), (16, 2560, 10240), (1, 2560, 2560), (3, 1000, 999),
+                     (9, 2632, 1001), (8, 1024, 5120), (5, 40, 20000), (17, 256, 136), (2, 33, 17), (40, 512, 1000)]
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("M,K,N", NORM_LINEAR_CASES)
+def test_rms_norm_linear(cpu, gpu_with_env, M, K, N, with_bias):
+    """rms_norm(x, unit) · W^T against the CPU (x the un-normed residual, of large and varied scale
+    per token), `normed` left untouched where the GEMM scales its sums (M <= 16, K % 8 == 0) and formed
+    otherwise; split-K asked for does not apply (every block needs the whole row), and persistent
+    blocks give the bits of one block per tile."""
+    rng = np.random.default_rng(M * 7919 + K * 31 + N)
+    x = bf16(randn(rng, M, K) * rng.uniform(0.5, 40, (M, 1)).astype(np.float32))
+    w, bias = randn(rng, N, K, scale=K**-0.5), (randn(rng, N) if with_bias else None)
+    want, want_normed = cpu.rms_norm_linear(x, w, 1e-6, bias)
+    got, normed = gpu_with_env("OCRIA_RT_SKINNY_KSPLIT", "").rms_norm_linear(x, w, 1e-6, bias)
+    assert relerr(got, want) <= OUT_TOL
+    if M <= 16 and K % 8 == 0:
+        assert np.isnan(normed).all()
+    else:
+        assert relerr(normed, want_normed) <= OUT_TOL
+    np.testing.assert_array_equal(gpu_with_env("OCRIA_RT_SKINNY_KSPLIT", 3).rms_norm_linear(x, w, 1e-6, bias)[0], got)
+    for persistent in ("0", "1"):
+        np.testing.assert_array_equal(
+            gpu_with_env("OCRIA_RT_SKINNY_PERSISTENT", persistent).rms_norm_linear(x, w, 1e-6, bias)[0], got)
+
+
+@pytest.mark.parametrize("T,K,I", GLU_CASES + [(9, 2560, 9216), (1, 1024, 3584)])
+def test_rms_norm_linear_glu(cpu, gpu, T, K, I):
+    """silu(gate) * up of rms_norm(x, unit) · W^T against the CPU: the scale applied before the
+    activation (OCRIA-1's and Qwen3.5-0.8B's gate_up among the shapes)."""
+    x, w = glu_case(T + K + I + 1, T, K, I)
+    x = bf16(x * np.random.default_rng(T).uniform(0.5, 40, (T, 1)).astype(np.float32))
+    got, _ = gpu.rms_norm_linear(x, w, 1e-6, glu=True)
+    assert relerr(got, cpu.rms_norm_linear(x, w, 1e-6, glu=True)[0]) <= OUT_TOL
+
+
+# M, K, N, the skinny-GEMM switch set: OCRIA-1's o_proj / MLP down (cluster split-K by default, forced
+# to 4, and with split-K over the grid: the last block adds), Qwen3.5-0.8B's N = 1024 (16 warps),
+# persistent blocks, odd N, M > 16 (linear, then add).
+LINEAR_ADD_CASES = [(1, 4096, 2560, None), (16, 9216, 2560, None), (1, 4096, 2560, ("OCRIA_RT_SKINNY_CLUSTER", 4)),
+                    (3, 9216, 2560, ("OCRIA_RT_SKINNY_KSPLIT", 3)), (1, 3584, 1024, None), (9, 1000, 999, None),
+                    (5, 2560, 12352, ("OCRIA_RT_SKINNY_PERSISTENT", 1)), (40, 512, 1000, None), (2, 33, 17, None)]
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("M,K,N,env", LINEAR_ADD_CASES)
+def test_linear_add(cpu, gpu_with_env, M, K, N, env, with_bias):
+    """residual += x · W^T against the CPU, and bit for bit the same backend's linear, then the add
+    (the product rounded to BF16, then the sum rounded)."""
+    rng = np.random.default_rng(M * 7919 + K * 31 + N)
+    x, w, res = randn(rng, M, K), randn(rng, N, K, scale=K**-0.5), randn(rng, M, N, scale=4)
+    bias = randn(rng, N) if with_bias else None
+    gpu = gpu_with_env(*env) if env else gpu_with_env("OCRIA_RT_SKINNY_KSPLIT", "")
+    got = gpu.linear_add(x, w, res, bias)
+    assert relerr(got, cpu.linear_add(x, w, res, bias)) <= OUT_TOL
+    np.testing.assert_array_equal(got, bf16(res + gpu.linear(x, w, bias)))
+
+
 # ---- programmatic dependent launch: dependent kernels back to back ----
 
 # (M, H, I): H = 2560 with I = 4608 takes both skinny-GEMM configurations without split-K (gate_up
@@ -268,26 +336,26 @@ CHAIN_CASES = [(1, 2560, 4608), (5, 2560, 4608), (16, 2560, 4608), (3, 1001, 149
                                                        ("1", "0", "1")])
 @pytest.mark.parametrize("M,H,I", CHAIN_CASES)
 def test_dependent_op_chain(cpu, monkeypatch, M, H, I, ksplit, cluster, persistent):
-    """add_rms_norm -> linear_glu -> linear three times, then add_rms_norm, enqueued without host
-    synchronisation in between, so that with PDL each kernel starts while its predecessor still runs
-    and buffers are rewritten while earlier kernels may still read them. Against the CPU, and bit
-    for bit against the same chain with PDL off (same kernels, same arithmetic: a missing
+    """Three MLP residual blocks (rms_norm_linear_glu -> linear_add), then rms_norm, enqueued without
+    host synchronisation in between, so that with PDL each kernel starts while its predecessor still
+    runs and the residual is rewritten while earlier kernels may still read it. Against the CPU, and
+    bit for bit against the same chain with PDL off (same kernels, same arithmetic: a missing
     pdl_wait() shows as a difference). The skinny GEMM's defaults (empty: its automatic choices),
-    everything off, split-K forced to 3 splits everywhere (back-to-back launches share the scratch),
-    cluster split-K over 4 blocks, and persistent blocks (gate_up's 576 tiles)."""
+    everything off, split-K forced to 3 splits everywhere it applies (the down projections; back-to-back
+    launches share the scratch), cluster split-K over 4 blocks, and persistent blocks (gate_up's 576
+    tiles)."""
     monkeypatch.setenv("OCRIA_RT_SKINNY_KSPLIT", ksplit)
     monkeypatch.setenv("OCRIA_RT_SKINNY_CLUSTER", cluster)
     monkeypatch.setenv("OCRIA_RT_SKINNY_PERSISTENT", persistent)
     rng = np.random.default_rng(M + H + I)
-    res, delta = randn(rng, M, H, scale=3), randn(rng, M, H)
-    norm_w = randn(rng, H, scale=0.1)
+    res = randn(rng, M, H, scale=3)
     w_gate_up, w_down = randn(rng, 2 * I, H, scale=H ** -0.5), randn(rng, H, I, scale=I ** -0.5)
-    args = (res, delta, norm_w, w_gate_up, w_down, 3, 1e-6)
-    want_res, want_out = cpu.mlp_chain(*args)
+    args = (res, w_gate_up, w_down, 3, 1e-6)
+    want_res, want_out = cpu.block_chain(*args)
     got = {}
     for pdl in ("1", "0"):  # the backend reads OCRIA_RT_PDL when it is constructed
         monkeypatch.setenv("OCRIA_RT_PDL", pdl)
-        got[pdl] = _core.OpRunner("cuda").mlp_chain(*args)
+        got[pdl] = _core.OpRunner("cuda").block_chain(*args)
     got_res, got_out = got["1"]
     assert relerr(got_res, want_res) <= CHAIN_TOL
     assert relerr(got_out, want_out) <= CHAIN_TOL

@@ -28,8 +28,7 @@ class CpuBackend final : public Backend {
   void embedding(const Tensor& table, const Tensor& ids, const Tensor& out) override;
   void linear(const Tensor& x, const LinearWeight& w, const Tensor& out) override;
   void rms_norm(const Tensor& x, const Tensor& weight, const Tensor& out, float eps) override;
-  void add_rms_norm(const Tensor& residual, const Tensor& delta, const Tensor& weight, const Tensor& out,
-                    float eps) override;
+  void fold_norm_weight(const Tensor& w, const Tensor& norm_weight) override;
   void add(const Tensor& residual, const Tensor& delta) override;
   void silu_mul(const Tensor& gate_up, const Tensor& out) override;
   void attention_prepare(const Tensor& qkv, const Tensor& q_norm, const Tensor& k_norm, const Tensor& positions,

@@ -4,22 +4,29 @@ namespace ocria_rt {
 
 void CpuBackend::rms_norm(const Tensor& x, const Tensor& weight, const Tensor& out, float eps) {
   expect_cpu_f32(x, "rms_norm input");
-  const int64_t D = weight.dim(0), R = x.numel() / D;
-  const float* w = weight.ptr<const float>();
+  const int64_t D = weight.defined() ? weight.dim(0) : x.dim(-1), R = x.numel() / D;
+  const float* w = weight.defined() ? weight.ptr<const float>() : nullptr;
   if (x.dim(-1) != D) throw Error(ErrorCode::kInternal, "rms_norm: input " + x.shape_str() + " vs weight " + weight.shape_str());
   const int64_t per_row = x.row_size() / D;  // norm groups in one index of dimension 0
 #pragma omp parallel for num_threads(threads_) if (R > 64)
   for (int64_t r = 0; r < R; ++r) {
     const float* xr = row_f32(x, r / per_row) + (r % per_row) * D;
     float* yr = row_f32(out, r / per_row) + (r % per_row) * D;
-    rms_normalise(xr, yr, D, eps, [&](int64_t i) { return 1.0f + w[i]; });
+    rms_normalise(xr, yr, D, eps, [&](int64_t i) { return w ? 1.0f + w[i] : 1.0f; });
   }
 }
 
-void CpuBackend::add_rms_norm(const Tensor& residual, const Tensor& delta, const Tensor& weight, const Tensor& out,
-                              float eps) {
-  add(residual, delta);
-  rms_norm(residual, weight, out, eps);
+void CpuBackend::fold_norm_weight(const Tensor& w, const Tensor& norm_weight) {
+  expect_cpu_f32(w, "fold_norm_weight weight");
+  const int64_t N = w.dim(0), K = w.dim(1);
+  if (w.ndim != 2 || norm_weight.numel() != K)
+    throw Error(ErrorCode::kInternal, "fold_norm_weight: weight " + w.shape_str() + " vs norm weight " + norm_weight.shape_str());
+  const float* nw = norm_weight.ptr<const float>();
+#pragma omp parallel for num_threads(threads_) if (N > 64)
+  for (int64_t n = 0; n < N; ++n) {
+    float* row = row_f32(w, n);
+    for (int64_t k = 0; k < K; ++k) row[k] *= 1.0f + nw[k];
+  }
 }
 
 void CpuBackend::layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out, float eps) {

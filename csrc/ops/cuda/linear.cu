@@ -11,6 +11,11 @@
 // linear_glu: the MLP's act = silu(gate) * up from a weight in the GLU layout (ops.h); for M <= 16
 // the skinny GEMM applies it as it stores (one pass, and the down projection then reads a plain
 // [M, I] input), above that through memory (GEMM, then silu_mul).
+// rms_norm_linear(_glu), linear_add: a residual block's two ends (ops.h). For M <= 16 the skinny GEMM
+// reads the un-normed residual row and scales each token's sums by rsqrt(mean(x^2) + eps), its sum
+// of squares gathered from the x it loads anyway (NORM), and adds the rounded products to the
+// residual as it stores them (ADD): no separate norm or add kernel between the projections of a
+// decode step. Above that through memory (rms_norm, GEMM; GEMM, add).
 #include <algorithm>
 #include <type_traits>
 
@@ -60,6 +65,14 @@ namespace {
 // resets the counter to 0 for the next launch (graph replays included). Without SPLIT the kernel is
 // the one-block-per-tile kernel it always was.
 //
+// NORM: x is a residual row whose RMSNorm weight is folded into W (fold_norm_weight). Each thread adds
+// up the squares of the x pieces it loads for the mma, and block_sum, which meets every warp's
+// partial sums anyway, sums them per token into r = rsqrt(sum x^2 / K + eps) and scales the token's
+// outputs by it: (x · W^T) * r = (x * r) · W^T. Every block then needs all of K (no split-K).
+// ADD: out is the residual, out = round(out + round(sums)) as linear + add would store it; without
+// split-K (and outside persistent blocks) the residual element is read right after pdl_wait(), so its
+// latency stays out of the block's end.
+//
 // Cluster split-K (CS > 1; see skinny_cluster below): the same balance
 // for few row tiles without the scratch and the counters. The CS consecutive blocks of a cluster
 // (grid.x = tiles * CS) take the CS balanced K ranges of one tile; blocks 1 .. CS-1 store their
@@ -72,6 +85,19 @@ template <class T> __device__ __forceinline__ void store_out(T* p, float v);
 template <> __device__ __forceinline__ void store_out<bf16>(bf16* p, float v) { *p = __float2bfloat16_rn(v); }
 template <> __device__ __forceinline__ void store_out<float>(float* p, float v) { *p = v; }
 __device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+// v as store_out<T> would store it.
+template <class T> __device__ __forceinline__ float out_round(float v) {
+  return std::is_same_v<T, bf16> ? bf16_round(v) : v;
+}
+
+// acc + the squares of the 8 BF16 values of a 16-byte piece (a BF16 is the top half of an fp32).
+__device__ __forceinline__ float add_squares(const uint4& v, float acc) {
+  for (const uint32_t w : {v.x, v.y, v.z, v.w}) {
+    const float lo = __uint_as_float(w << 16), hi = __uint_as_float(w & 0xffff0000u);
+    acc = fmaf(hi, hi, fmaf(lo, lo, acc));
+  }
+  return acc;
+}
 
 // Dynamic shared memory: the ring, then (cluster split-K) the partial tiles of blocks 1 .. CS-1.
 template <int WARPS, int U, int S> constexpr int skinny_ring_bytes() { return S * U * 2 * WARPS * 32 * 16; }
@@ -94,26 +120,30 @@ struct SplitKScratch {
 // GLU: W is in the GLU layout (ops.h, kGluGroup = 8: rows 0-7 of each 16-row tile are gate rows,
 // rows 8-15 the matching up rows) and out [M, N / 2] receives silu(gate) * up, with gate and up
 // rounded to BF16 first as the separate silu_mul kernel would read them; N % 16 == 0.
+// ADD: out [M, N] += the rounded products (not with GLU). NORM: the products of token m are scaled by
+// rsqrt(mean(x[m]^2) + norm_eps) before the bias (not with SPLIT or CS > 1).
 // SPLIT: gridDim.y splits of K (at most one per chunk), scratch for gridDim.x tiles x gridDim.y splits.
 // CS > 1: launched in clusters of CS blocks along x, gridDim.x = tiles * CS, at most one split per chunk.
 // PERSIST: gridDim.x <= tiles blocks, block b taking tiles b, b + gridDim.x, ...; its stages run on
 // from one tile into the next (stage g is step g % iters of its (g / iters)-th tile, iters the same
 // for every warp), so the ring keeps the next tile's weights in flight while a tile's sums are
 // reduced and stored (only without SPLIT and CS).
-template <int WARPS, int NT, int U, int S, bool GLU, bool SPLIT, int CS, bool PERSIST, class OutT>
+template <int WARPS, int NT, int U, int S, bool GLU, bool ADD, bool NORM, bool SPLIT, int CS, bool PERSIST, class OutT>
 __global__ void __launch_bounds__(WARPS * 32)
     skinny_gemm_kernel(const bf16* __restrict__ x, int64_t ldx, int M, const bf16* __restrict__ w,
                        int64_t ldw, int N, int K, uint32_t pf_bytes, ParamView bias, bool has_bias,
-                       OutT* __restrict__ out, int64_t ldo, SplitKScratch scratch) {
+                       OutT* __restrict__ out, int64_t ldo, SplitKScratch scratch, float norm_eps) {
   static_assert(!(SPLIT && CS > 1), "split-K over the grid or over a cluster, not both");
   static_assert(!(PERSIST && (SPLIT || CS > 1)), "persistent blocks take whole tiles");
+  static_assert(!(GLU && ADD), "the activation or the residual add, not both");
+  static_assert(!(NORM && (SPLIT || CS > 1)), "the norm's sum of squares needs all of K in every block");
   pdl_launch_dependents();
   if constexpr (CS > 1) cluster_arrive_relaxed();  // "this block runs"; waited on before the remote stores
   constexpr int NTH = WARPS * 32;
   // The ring follows the static `red` (a multiple of 128 bytes) and must stay 128-byte aligned:
   // add no other static shared variable here.
   extern __shared__ __align__(128) uint4 wring[];  // [S][U][2 rows][NTH]: a thread's slots are column tid
-  __shared__ float red[WARPS][16][16];             // [warp][W row][token]
+  __shared__ float red[WARPS][NORM ? 17 : 16][16];  // [warp][W row | NORM: 16 = sum of squares][token]
   static_assert(sizeof(red) % 128 == 0, "the dynamic ring after `red` must stay 128-byte aligned");
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -176,13 +206,15 @@ __global__ void __launch_bounds__(WARPS * 32)
   };
 
   float acc[NT][4];
+  float sq[NT];  // NORM: this thread's sum of squares of x row g + 8 j over the tile's K pieces it loaded
   auto clear_acc = [&] {
 #pragma unroll
-    for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = sq[j] = 0.0f;
   };
   // The block's sums of one tile: accumulator fragments (c0, c1 = row g, tokens 2t, 2t+1; c2, c3 =
   // row g + 8, same tokens) through `red`, summed over the warps by thread (row, tok) = (tid % 16,
   // tid / 16); `owner`: this thread holds an output element of the tile at rows tile_n0 + row.
+  // NORM: the sums of squares (over the 4 threads of a row group, then over the warps) scale them.
   constexpr int kTileElems = 16 * 8 * NT;
   const int row = tid & 15, tok = tid >> 4;
   auto block_sum = [&](int tile_n0, bool& owner) {
@@ -192,6 +224,12 @@ __global__ void __launch_bounds__(WARPS * 32)
       red[warp][g][8 * j + 2 * t + 1] = acc[j][1];
       red[warp][g + 8][8 * j + 2 * t] = acc[j][2];
       red[warp][g + 8][8 * j + 2 * t + 1] = acc[j][3];
+      if constexpr (NORM) {
+        float s = sq[j];
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        if (t == 0) red[warp][16][g + 8 * j] = s;
+      }
     }
     __syncthreads();
     owner = tid < kTileElems && tile_n0 + row < N && tok < M;
@@ -199,9 +237,18 @@ __global__ void __launch_bounds__(WARPS * 32)
     if (owner) {
 #pragma unroll
       for (int i = 0; i < WARPS; ++i) sum += red[i][row][tok];
+      if constexpr (NORM) {
+        float ss = 0.0f;
+#pragma unroll
+        for (int i = 0; i < WARPS; ++i) ss += red[i][16][tok];
+        sum *= rsqrtf(ss / float(K) + norm_eps);
+      }
     }
     return sum;
   };
+  // ADD: the residual element a thread adds to, read early where the storing block is known then.
+  constexpr bool kResidualAhead = ADD && !SPLIT && !PERSIST;
+  float residual = 0.0f;
   // Bias and store of a tile's sums; GLU: silu(gate) * up of its 8 activations, gate row r and up
   // row r + 8 meeting in `red` (every thread of the block calls it then).
   auto finish = [&](int tile_n0, bool owner, float sum) {
@@ -216,7 +263,9 @@ __global__ void __launch_bounds__(WARPS * 32)
         store_out(out + int64_t(k) * ldo + tile_n0 / 2 + r, silu(gate) * up);
       }
     } else if (owner) {
-      store_out(out + int64_t(tok) * ldo + tile_n0 + row, sum);
+      OutT* o = out + int64_t(tok) * ldo + tile_n0 + row;
+      if constexpr (ADD) sum = (kResidualAhead ? residual : to_float(*o)) + out_round<OutT>(sum);
+      store_out(o, sum);
     }
   };
 
@@ -242,6 +291,10 @@ __global__ void __launch_bounds__(WARPS * 32)
   };
   pdl_wait();  // earlier kernels have completed: x may be read, out written
   load_x(0);
+  if constexpr (kResidualAhead) {
+    if (tid < kTileElems && n0 + row < N && tok < M && int(blockIdx.x) % CS == 0)
+      residual = to_float(out[int64_t(tok) * ldo + n0 + row]);
+  }
   for (int st = 0; st < stages; ++st) {
     uint4 xv[U][NT];  // this stage's x
 #pragma unroll
@@ -260,6 +313,7 @@ __global__ void __launch_bounds__(WARPS * 32)
       for (int j = 0; j < NT; ++j) {
         mma_16816(acc[j], wa.x, wb.x, wa.y, wb.y, xv[u][j].x, xv[u][j].y);  // k = 8t + {0,1 | 2,3}
         mma_16816(acc[j], wa.z, wb.z, wa.w, wb.w, xv[u][j].z, xv[u][j].w);  // k = 8t + {4,5 | 6,7}
+        if constexpr (NORM) sq[j] = add_squares(xv[u][j], sq[j]);
       }
     }
     if constexpr (PERSIST) {
@@ -383,20 +437,32 @@ struct SkinnyPlan {
   bool persist = false;  // persistent blocks
 };
 
-// skinny_gemm_kernel's template parameters other than GLU and the output type. Ring sizes: 64 KiB
+// skinny_gemm_kernel's template parameters other than the epilogue (Epi) and the output type. Ring sizes: 64 KiB
 // (8 warps, 4 stages: 3 blocks per SM) and 96 KiB (16 warps, 3 stages: 2 blocks per SM); 192 resp.
 // 128 bytes in flight per thread.
 template <int WARPS_, int NT_, bool SPLIT_, int CS_, bool PERSIST_> struct SkinnyCfg {
   static constexpr int WARPS = WARPS_, NT = NT_, U = 2, S = WARPS_ == 16 ? 3 : 4, CS = CS_;
   static constexpr bool SPLIT = SPLIT_, PERSIST = PERSIST_;
   static constexpr int smem = skinny_smem_bytes<WARPS, NT, U, S, CS>();
-  template <bool GLU, class OutT> static constexpr auto kernel() {
-    return skinny_gemm_kernel<WARPS, NT, U, S, GLU, SPLIT, CS, PERSIST, OutT>;
+  template <class Epi, class OutT> static constexpr auto kernel() {
+    return skinny_gemm_kernel<WARPS, NT, U, S, Epi::GLU, Epi::ADD, Epi::NORM, SPLIT, CS, PERSIST, OutT>;
   }
 };
 
+// What a skinny GEMM does besides the product: the MLP activation (GLU), the residual add (ADD), the
+// RMSNorm scale (NORM); see skinny_gemm_kernel.
+template <bool GLU_, bool ADD_, bool NORM_> struct SkinnyEpi {
+  static constexpr bool GLU = GLU_, ADD = ADD_, NORM = NORM_;
+};
+using EpiStore = SkinnyEpi<false, false, false>;
+using EpiGlu = SkinnyEpi<true, false, false>;
+using EpiAdd = SkinnyEpi<false, true, false>;
+using EpiNorm = SkinnyEpi<false, false, true>;
+using EpiNormGlu = SkinnyEpi<true, false, true>;
+
 // Calls f(SkinnyCfg<...>{}) with the configuration of plan p for M tokens (one or two 8-token tiles).
-template <class F> void visit_skinny(const SkinnyPlan& p, int M, F&& f) {
+// Epi::NORM: only the configurations without split-K (the plan has none, skinny_plan's whole_k).
+template <class Epi, class F> void visit_skinny(const SkinnyPlan& p, int M, F&& f) {
   auto by_m = [&](auto warps, auto split, auto cs, auto persist) {
     constexpr int W = decltype(warps)::value, C = decltype(cs)::value;
     constexpr bool SP = decltype(split)::value, PE = decltype(persist)::value;
@@ -411,20 +477,22 @@ template <class F> void visit_skinny(const SkinnyPlan& p, int M, F&& f) {
   using One = std::integral_constant<int, 1>;
   // Cluster split-K: the 8-warp configuration (3 blocks per SM; 2 for M > 8 with 4 per cluster,
   // whose partial tiles take the shared memory a third block would need).
-  if (p.cs == 2) return by_m(Eight{}, false_type{}, std::integral_constant<int, 2>{}, false_type{});
-  if (p.cs == 4) return by_m(Eight{}, false_type{}, std::integral_constant<int, 4>{}, false_type{});
+  if constexpr (!Epi::NORM) {
+    if (p.cs == 2) return by_m(Eight{}, false_type{}, std::integral_constant<int, 2>{}, false_type{});
+    if (p.cs == 4) return by_m(Eight{}, false_type{}, std::integral_constant<int, 4>{}, false_type{});
+    if (p.wide && p.ksplit > 1) return by_m(Sixteen{}, true_type{}, One{}, false_type{});
+    if (p.ksplit > 1) return by_m(Eight{}, true_type{}, One{}, false_type{});
+  }
   if (p.persist) return by_m(Eight{}, false_type{}, One{}, true_type{});
-  if (p.wide && p.ksplit > 1) return by_m(Sixteen{}, true_type{}, One{}, false_type{});
   if (p.wide) return by_m(Sixteen{}, false_type{}, One{}, false_type{});
-  if (p.ksplit > 1) return by_m(Eight{}, true_type{}, One{}, false_type{});
   by_m(Eight{}, false_type{}, One{}, false_type{});
 }
 
 // Raises the kernel's dynamic shared-memory limit (once per instantiation, thread-safe static
 // initialisation; allowed during graph capture) and returns how many of its blocks fit on an SM.
-template <class Cfg, bool GLU, class OutT> int skinny_blocks_per_sm() {
+template <class Cfg, class Epi, class OutT> int skinny_blocks_per_sm() {
   static const int per_sm = [] {
-    auto kernel = Cfg::template kernel<GLU, OutT>();
+    auto kernel = Cfg::template kernel<Epi, OutT>();
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::smem),
                "cudaFuncSetAttribute (skinny_gemm_kernel)");
     int n = 0;
@@ -443,11 +511,11 @@ dim3 skinny_grid(const SkinnyPlan& p, int N, int per_sm, int sm_count) {
   return dim3(x, unsigned(p.ksplit));
 }
 
-template <class Cfg, bool GLU, class OutT>
+template <class Cfg, class Epi, class OutT>
 void launch_skinny_cfg(const bf16* x, int64_t ldx, int M, const bf16* w, int64_t ldw, int N, int K,
                        ParamView bias, bool has_bias, OutT* out, int64_t ldo, const SkinnyPlan& p,
-                       SplitKScratch scratch, const LaunchCtx& ctx, int sm_count) {
-  const int per_sm = skinny_blocks_per_sm<Cfg, GLU, OutT>();
+                       SplitKScratch scratch, float norm_eps, const LaunchCtx& ctx, int sm_count) {
+  const int per_sm = skinny_blocks_per_sm<Cfg, Epi, OutT>();
   const dim3 grid = skinny_grid(p, N, per_sm, sm_count);
   // L2 prefetch per row: the rest of the block's K range after the prologue (the shortest range of
   // a split, less one chunk for the last one's ragged end), within the budget; whole 128-byte
@@ -458,9 +526,9 @@ void launch_skinny_cfg(const bf16* x, int64_t ldx, int M, const bf16* w, int64_t
   const int64_t rest = kspan > kpre ? (kspan - kpre) * int64_t(sizeof(bf16)) : 0;
   int64_t pf = std::min(rest, kL2PrefetchBudget / (int64_t(N) * splits)) & ~int64_t(127);
   if (pf < 1024) pf = 0;
-  launch_pdl_cluster(ctx, "skinny_gemm_kernel", Cfg::CS > 1 ? unsigned(Cfg::CS) : 0u, Cfg::template kernel<GLU, OutT>(),
+  launch_pdl_cluster(ctx, "skinny_gemm_kernel", Cfg::CS > 1 ? unsigned(Cfg::CS) : 0u, Cfg::template kernel<Epi, OutT>(),
                      grid, Cfg::WARPS * 32, Cfg::smem, x, ldx, M, w, ldw, N, K, uint32_t(pf), bias, has_bias,
-                     out, ldo, scratch);
+                     out, ldo, scratch, norm_eps);
 }
 
 // The carving of CudaBackend::splitk_scratch_.
@@ -514,19 +582,53 @@ SkinnyPlan skinny_plan(int N, int K, int sm_count, int ksplit_mode, int cluster_
   return p;
 }
 
-// Whether a weight [N, K] meets the skinny GEMM's requirements (K > 0, K and the row stride multiples
-// of 8, 16-byte aligned); its input must meet them too.
-bool skinny_weight_ok(const Tensor& w) {
-  return w.dtype == DType::BF16 && w.ndim == 2 && w.dim(1) > 0 && w.dim(1) % 8 == 0 && w.row_stride % 8 == 0 &&
-         aligned16(w.data);
+// A linear op's operands, checked: x [M, K] and W [N, K] BF16 and 2-D, the weight dense, the bias (if
+// any) of N elements; `skinny`: M <= 16 and the skinny GEMM's requirements hold (K > 0, K and both row
+// strides multiples of 8, 16-byte aligned x and W).
+struct LinearArgs {
+  const bf16* x = nullptr;
+  const bf16* w = nullptr;
+  int64_t ldx = 0, ldw = 0;
+  int M = 0, N = 0, K = 0;
+  ParamView bias{};
+  bool has_bias = false;
+  bool skinny = false;
+};
+
+LinearArgs linear_args(const char* op, const Tensor& x, const LinearWeight& lw) {
+  OCRIA_RT_REQUIRE(lw.format == LinearWeight::Format::kDense, op, "only dense weights are supported");
+  const Tensor& w = lw.weight;
+  require_tensor(x, DType::BF16, op, "x");
+  require_tensor(w, DType::BF16, op, "weight");
+  OCRIA_RT_REQUIRE(x.ndim == 2 && w.ndim == 2, op, "expected 2-D x and weight, got " + x.shape_str() + ", " + w.shape_str());
+  OCRIA_RT_REQUIRE(w.dim(1) == x.dim(1), op, "shape mismatch: x " + x.shape_str() + ", weight " + w.shape_str());
+  OCRIA_RT_REQUIRE(x.dim(0) < (int64_t(1) << 31) && w.dim(0) < (int64_t(1) << 31) && w.dim(1) < (int64_t(1) << 31), op,
+                   "dimension too large");
+  LinearArgs a;
+  a.x = x.ptr<bf16>();
+  a.w = w.ptr<bf16>();
+  a.ldx = x.row_stride;
+  a.ldw = w.row_stride;
+  a.M = int(x.dim(0));
+  a.N = int(w.dim(0));
+  a.K = int(w.dim(1));
+  a.has_bias = lw.bias.defined();
+  if (a.has_bias) {
+    a.bias = param_view(lw.bias, op, "bias");
+    OCRIA_RT_REQUIRE(lw.bias.numel() == a.N, op,
+                     "bias has " + std::to_string(lw.bias.numel()) + " elements, expected " + std::to_string(a.N));
+  }
+  a.skinny = a.M >= 1 && a.M <= 16 && a.K > 0 && a.K % 8 == 0 && a.ldw % 8 == 0 && a.ldx % 8 == 0 &&
+             aligned16(a.x) && aligned16(a.w);
+  return a;
 }
 
-template <bool GLU, class OutT>
-void launch_skinny(const bf16* x, int64_t ldx, int M, const bf16* w, int64_t ldw, int N, int K,
-                   ParamView bias, bool has_bias, OutT* out, int64_t ldo, const SkinnyPlan& p, SplitKScratch scratch,
-                   const LaunchCtx& ctx, int sm_count) {
-  visit_skinny(p, M, [&](auto cfg) {
-    launch_skinny_cfg<decltype(cfg), GLU>(x, ldx, M, w, ldw, N, K, bias, has_bias, out, ldo, p, scratch, ctx, sm_count);
+template <class Epi, class OutT>
+void launch_skinny(const LinearArgs& a, OutT* out, int64_t ldo, const SkinnyPlan& p, SplitKScratch scratch,
+                   float norm_eps, const LaunchCtx& ctx, int sm_count) {
+  visit_skinny<Epi>(p, a.M, [&](auto cfg) {
+    launch_skinny_cfg<decltype(cfg), Epi>(a.x, a.ldx, a.M, a.w, a.ldw, a.N, a.K, a.bias, a.has_bias, out, ldo, p,
+                                          scratch, norm_eps, ctx, sm_count);
   });
 }
 
@@ -539,97 +641,158 @@ void launch_fallback(const bf16* x, int64_t ldx, int M, const bf16* w, int64_t l
   check_launch("linear_fallback_kernel");
 }
 
+// W[n, k] = round(W[n, k] * (1 + nw[k])), one thread per element.
+__global__ void fold_norm_weight_kernel(bf16* __restrict__ w, int64_t ldw, int64_t N, int64_t K,
+                                        const float* __restrict__ nw) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < N * K; i += int64_t(gridDim.x) * blockDim.x) {
+    bf16* p = w + (i / K) * ldw + i % K;
+    *p = __float2bfloat16_rn(__bfloat162float(*p) * (1.0f + nw[i % K]));
+  }
+}
+
 }  // namespace
 }  // namespace cuda
 
 void CudaBackend::linear(const Tensor& x, const LinearWeight& lw, const Tensor& out) {
   using namespace cuda;
   const char* op = "linear";
-  OCRIA_RT_REQUIRE(lw.format == LinearWeight::Format::kDense, op, "only dense weights are supported");
-  const Tensor& w = lw.weight;
-  require_tensor(x, DType::BF16, op, "x");
-  require_tensor(w, DType::BF16, op, "weight");
+  const LinearArgs a = linear_args(op, x, lw);
   require_float(out, op, "out");
-  OCRIA_RT_REQUIRE(x.ndim == 2 && w.ndim == 2 && out.ndim == 2, op,
-          "expected 2-D x, weight and out, got " + x.shape_str() + ", " + w.shape_str() + ", " + out.shape_str());
-  const int64_t M = x.dim(0), K = x.dim(1), N = w.dim(0);
-  OCRIA_RT_REQUIRE(w.dim(1) == K && out.dim(0) == M && out.dim(1) == N, op,
-          "shape mismatch: x " + x.shape_str() + ", weight " + w.shape_str() + ", out " + out.shape_str());
-  OCRIA_RT_REQUIRE(M < (int64_t(1) << 31) && N < (int64_t(1) << 31) && K < (int64_t(1) << 31), op, "dimension too large");
-  const bool has_bias = lw.bias.defined();
-  ParamView bias{};
-  if (has_bias) {
-    bias = param_view(lw.bias, op, "bias");
-    OCRIA_RT_REQUIRE(lw.bias.numel() == N, op, "bias has " + std::to_string(lw.bias.numel()) + " elements, expected N");
-  }
-  if (M == 0 || N == 0) return;
+  OCRIA_RT_REQUIRE(out.ndim == 2 && out.dim(0) == a.M && out.dim(1) == a.N, op,
+                   "shape mismatch: x " + x.shape_str() + ", weight " + lw.weight.shape_str() + ", out " + out.shape_str());
+  if (a.M == 0 || a.N == 0) return;
   activate();
-  const bf16* xp = x.ptr<bf16>();
-  const bf16* wp = w.ptr<bf16>();
-  const int64_t ldx = x.row_stride, ldw = w.row_stride, ldo = out.row_stride;
+  const int64_t ldo = out.row_stride;
   const bool out_bf16 = out.dtype == DType::BF16;
-
-  if (M <= 16 && skinny_weight_ok(w) && ldx % 8 == 0 && aligned16(xp)) {
-    const SkinnyPlan plan = skinny_plan(int(N), int(K), sm_count_, skinny_ksplit_, skinny_cluster_, skinny_persistent_);
+  if (a.skinny) {
+    const SkinnyPlan plan = skinny_plan(a.N, a.K, sm_count_, skinny_ksplit_, skinny_cluster_, skinny_persistent_);
     const SplitKScratch scratch = splitk_scratch(splitk_scratch_);
     if (out_bf16)
-      launch_skinny<false>(xp, ldx, int(M), wp, ldw, int(N), int(K), bias, has_bias, out.ptr<bf16>(), ldo, plan,
-                           scratch, launch_ctx(), sm_count_);
+      launch_skinny<EpiStore>(a, out.ptr<bf16>(), ldo, plan, scratch, 0.0f, launch_ctx(), sm_count_);
     else
-      launch_skinny<false>(xp, ldx, int(M), wp, ldw, int(N), int(K), bias, has_bias, out.ptr<float>(), ldo, plan,
-                           scratch, launch_ctx(), sm_count_);
+      launch_skinny<EpiStore>(a, out.ptr<float>(), ldo, plan, scratch, 0.0f, launch_ctx(), sm_count_);
     return;
   }
-  if (M > 16 && out_bf16 && K > 0 &&
-      gemm_bf16_sm90(xp, ldx, wp, ldw, out.data, ldo, int(M), int(N), int(K), workspace_, workspace_bytes_, sm_count_,
+  if (a.M > 16 && out_bf16 && a.K > 0 &&
+      gemm_bf16_sm90(a.x, a.ldx, a.w, a.ldw, out.data, ldo, a.M, a.N, a.K, workspace_, workspace_bytes_, sm_count_,
                      stream_)) {
-    if (has_bias) {
-      dim3 grid(unsigned((N + 255) / 256), unsigned(M));
-      OCRIA_RT_REQUIRE(M <= 65535, op, "too many rows for the bias kernel");
-      add_bias_kernel<<<grid, 256, 0, stream_>>>(out.ptr<bf16>(), ldo, int(M), int(N), bias);
+    if (a.has_bias) {
+      OCRIA_RT_REQUIRE(a.M <= 65535, op, "too many rows for the bias kernel");
+      add_bias_kernel<<<dim3(unsigned((a.N + 255) / 256), unsigned(a.M)), 256, 0, stream_>>>(out.ptr<bf16>(), ldo, a.M,
+                                                                                           a.N, a.bias);
       check_launch("add_bias_kernel");
     }
     return;
   }
   if (out_bf16)
-    launch_fallback(xp, ldx, int(M), wp, ldw, int(N), int(K), bias, has_bias, out.ptr<bf16>(), ldo, stream_);
+    launch_fallback(a.x, a.ldx, a.M, a.w, a.ldw, a.N, a.K, a.bias, a.has_bias, out.ptr<bf16>(), ldo, stream_);
   else
-    launch_fallback(xp, ldx, int(M), wp, ldw, int(N), int(K), bias, has_bias, out.ptr<float>(), ldo, stream_);
+    launch_fallback(a.x, a.ldx, a.M, a.w, a.ldw, a.N, a.K, a.bias, a.has_bias, out.ptr<float>(), ldo, stream_);
 }
+
+namespace cuda {
+namespace {
+// linear_glu's operands beside linear_args': W [2I, K] with I a multiple of 8, scratch [M, 2I], act [M, I], all BF16.
+void check_glu(const char* op, const Tensor& x, const LinearWeight& lw, const Tensor& scratch, const Tensor& act) {
+  require_tensor(scratch, DType::BF16, op, "scratch");
+  require_tensor(act, DType::BF16, op, "act");
+  const int64_t M = x.dim(0), N = lw.weight.dim(0);
+  OCRIA_RT_REQUIRE(scratch.ndim == 2 && act.ndim == 2 && N % (2 * kGluGroup) == 0 && scratch.dim(0) == M &&
+                       scratch.dim(1) == N && act.dim(0) == M && act.dim(1) == N / 2,
+                   op, "shape mismatch: x " + x.shape_str() + ", weight " + lw.weight.shape_str() +
+                           " (gate and up, [2I, K] with I a multiple of 8), scratch " + scratch.shape_str() +
+                           " ([M, 2I]), act " + act.shape_str() + " ([M, I])");
+}
+// A BF16 tensor `name` of shape [x rows, cols] beside x [M, K] and W [N, K].
+void check_rows(const char* op, const char* name, const Tensor& x, const LinearWeight& lw, const Tensor& t,
+                int64_t cols) {
+  require_tensor(t, DType::BF16, op, name);
+  OCRIA_RT_REQUIRE(t.ndim == 2 && t.dim(0) == x.dim(0) && t.dim(1) == cols, op,
+                   std::string("shape mismatch: x ") + x.shape_str() + ", weight " + lw.weight.shape_str() + ", " + name +
+                       " " + t.shape_str() + " (expected [" + std::to_string(x.dim(0)) + ", " + std::to_string(cols) +
+                       "])");
+}
+}  // namespace
+}  // namespace cuda
 
 void CudaBackend::linear_glu(const Tensor& x, const LinearWeight& lw, const Tensor& scratch, const Tensor& act) {
   using namespace cuda;
   const char* op = "linear_glu";
-  const Tensor& w = lw.weight;
-  require_tensor(x, DType::BF16, op, "x");
-  require_tensor(w, DType::BF16, op, "weight");
-  require_tensor(scratch, DType::BF16, op, "scratch");
-  require_tensor(act, DType::BF16, op, "act");
-  OCRIA_RT_REQUIRE(x.ndim == 2 && w.ndim == 2 && scratch.ndim == 2 && act.ndim == 2, op,
-                   "expected 2-D x, weight, scratch and act, got " + x.shape_str() + ", " + w.shape_str() + ", " +
-                       scratch.shape_str() + ", " + act.shape_str());
-  const int64_t M = x.dim(0), K = x.dim(1), N = w.dim(0);
-  OCRIA_RT_REQUIRE(w.dim(1) == K && N % (2 * kGluGroup) == 0 && scratch.dim(0) == M && scratch.dim(1) == N &&
-                       act.dim(0) == M && act.dim(1) == N / 2,
-                   op, "shape mismatch: x " + x.shape_str() + ", weight " + w.shape_str() + " (gate and up, [2I, K] with I a multiple of 8), scratch " +
-                       scratch.shape_str() + " ([M, 2I]), act " + act.shape_str() + " ([M, I])");
-  const bool fused = M > 0 && M <= 16 && lw.format == LinearWeight::Format::kDense && skinny_weight_ok(w) &&
-                     x.row_stride % 8 == 0 && aligned16(x.data) && N < (int64_t(1) << 31) && K < (int64_t(1) << 31);
-  if (!fused) {  // prefill: x · W^T through memory, then the activation
-    linear(x, lw, scratch);
-    silu_mul(scratch, act);
+  const LinearArgs a = linear_args(op, x, lw);
+  check_glu(op, x, lw, scratch, act);
+  if (!a.skinny) {  // prefill: x · W^T through memory, then the activation
+    Backend::linear_glu(x, lw, scratch, act);
     return;
   }
-  const bool has_bias = lw.bias.defined();
-  ParamView bias{};
-  if (has_bias) {
-    bias = param_view(lw.bias, op, "bias");
-    OCRIA_RT_REQUIRE(lw.bias.numel() == N, op, "bias has " + std::to_string(lw.bias.numel()) + " elements, expected 2I");
+  activate();
+  const SkinnyPlan plan = skinny_plan(a.N, a.K, sm_count_, skinny_ksplit_, skinny_cluster_, skinny_persistent_);
+  launch_skinny<EpiGlu>(a, act.ptr<bf16>(), act.row_stride, plan, splitk_scratch(splitk_scratch_), 0.0f, launch_ctx(),
+                        sm_count_);
+}
+
+void CudaBackend::rms_norm_linear(const Tensor& x, float eps, const LinearWeight& lw, const Tensor& normed,
+                                  const Tensor& out) {
+  using namespace cuda;
+  const char* op = "rms_norm_linear";
+  const LinearArgs a = linear_args(op, x, lw);
+  check_rows(op, "normed", x, lw, normed, x.dim(1));
+  check_rows(op, "out", x, lw, out, lw.weight.dim(0));
+  if (!a.skinny) {  // prefill: the normed rows through memory, then the GEMM
+    Backend::rms_norm_linear(x, eps, lw, normed, out);
+    return;
   }
   activate();
-  const SkinnyPlan plan = skinny_plan(int(N), int(K), sm_count_, skinny_ksplit_, skinny_cluster_, skinny_persistent_);
-  launch_skinny<true>(x.ptr<bf16>(), x.row_stride, int(M), w.ptr<bf16>(), w.row_stride, int(N), int(K), bias, has_bias,
-                      act.ptr<bf16>(), act.row_stride, plan, splitk_scratch(splitk_scratch_), launch_ctx(), sm_count_);
+  // No split-K (every block needs the whole row for its sum of squares), persistent blocks as linear's.
+  const SkinnyPlan plan = skinny_plan(a.N, a.K, sm_count_, 1, 0, skinny_persistent_);
+  launch_skinny<EpiNorm>(a, out.ptr<bf16>(), out.row_stride, plan, splitk_scratch(splitk_scratch_), eps, launch_ctx(),
+                         sm_count_);
+}
+
+void CudaBackend::rms_norm_linear_glu(const Tensor& x, float eps, const LinearWeight& lw, const Tensor& normed,
+                                      const Tensor& scratch, const Tensor& act) {
+  using namespace cuda;
+  const char* op = "rms_norm_linear_glu";
+  const LinearArgs a = linear_args(op, x, lw);
+  check_glu(op, x, lw, scratch, act);
+  check_rows(op, "normed", x, lw, normed, x.dim(1));
+  if (!a.skinny) {
+    Backend::rms_norm_linear_glu(x, eps, lw, normed, scratch, act);
+    return;
+  }
+  activate();
+  const SkinnyPlan plan = skinny_plan(a.N, a.K, sm_count_, 1, 0, skinny_persistent_);
+  launch_skinny<EpiNormGlu>(a, act.ptr<bf16>(), act.row_stride, plan, splitk_scratch(splitk_scratch_), eps,
+                            launch_ctx(), sm_count_);
+}
+
+void CudaBackend::linear_add(const Tensor& x, const LinearWeight& lw, const Tensor& delta, const Tensor& residual) {
+  using namespace cuda;
+  const char* op = "linear_add";
+  const LinearArgs a = linear_args(op, x, lw);
+  check_rows(op, "delta", x, lw, delta, lw.weight.dim(0));
+  check_rows(op, "residual", x, lw, residual, lw.weight.dim(0));
+  if (!a.skinny) {  // prefill: the product through memory, then the add
+    Backend::linear_add(x, lw, delta, residual);
+    return;
+  }
+  activate();
+  const SkinnyPlan plan = skinny_plan(a.N, a.K, sm_count_, skinny_ksplit_, skinny_cluster_, skinny_persistent_);
+  launch_skinny<EpiAdd>(a, residual.ptr<bf16>(), residual.row_stride, plan, splitk_scratch(splitk_scratch_), 0.0f,
+                        launch_ctx(), sm_count_);
+}
+
+void CudaBackend::fold_norm_weight(const Tensor& w, const Tensor& norm_weight) {
+  using namespace cuda;
+  const char* op = "fold_norm_weight";
+  require_tensor(w, DType::BF16, op, "weight");
+  require_tensor(norm_weight, DType::F32, op, "norm_weight");
+  OCRIA_RT_REQUIRE(w.ndim == 2 && norm_weight.numel() == w.dim(1), op,
+                   "weight " + w.shape_str() + " vs norm weight " + norm_weight.shape_str() + " (one per column)");
+  if (w.numel() == 0) return;
+  activate();
+  fold_norm_weight_kernel<<<1024, 256, 0, stream_>>>(w.ptr<bf16>(), w.row_stride, w.dim(0), w.dim(1),
+                                                     norm_weight.ptr<const float>());
+  check_launch("fold_norm_weight_kernel");
 }
 
 }  // namespace ocria_rt

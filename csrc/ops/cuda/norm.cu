@@ -1,5 +1,6 @@
-// rms_norm, add_rms_norm: zero-centred RMSNorm over the last dimension, one block per row,
-//   out = x * rsqrt(mean(x^2) + eps) * (1 + w), fp32 math; 16-byte vectors where alignment allows.
+// rms_norm: zero-centred RMSNorm over the last dimension, one block per row,
+//   out = x * rsqrt(mean(x^2) + eps) * (1 + w) (or without a weight: * 1), fp32 math; 16-byte vectors
+//   where alignment allows.
 #include "ops/cuda/backend.cuh"
 
 namespace ocria_rt {
@@ -18,38 +19,28 @@ template <class T> __device__ __forceinline__ T* row_ptr(T* base, int64_t r, int
 constexpr int kNormHeld = 2;
 constexpr int kNormMaxThreads = 512;
 
-// ADD: residual += delta first (rounded to T and stored), then the norm of the stored residual.
 // The weights are read-only and, in decode, long evicted from L2 by the weight stream: their loads
-// are issued before pdl_wait() so that their latency overlaps the kernels before this one.
-template <class T, int V, bool ADD>
+// are issued before pdl_wait() so that their latency overlaps the kernels before this one. w.ptr null:
+// no weight (the unit scale).
+template <class T, int V>
 __global__ void __launch_bounds__(kNormMaxThreads)
-    rms_norm_kernel(T* __restrict__ x, RowView xv, const T* __restrict__ delta, RowView dv, T* __restrict__ out,
-                    RowView ov, ParamView w, float eps) {
+    rms_norm_kernel(const T* __restrict__ x, RowView xv, T* __restrict__ out, RowView ov, ParamView w, float eps) {
   __shared__ float red[32];
   pdl_launch_dependents();
   const int64_t r = blockIdx.x;
   const int D = int(xv.cols), step = blockDim.x * V, c0 = threadIdx.x * V;
-  T* xr = row_ptr(x, r, xv.inner, xv.outer_stride, xv.cols);
+  const T* xr = row_ptr(x, r, xv.inner, xv.outer_stride, xv.cols);
   T* orow = row_ptr(out, r, ov.inner, ov.outer_stride, ov.cols);
-  const T* drow = ADD ? row_ptr(delta, r, dv.inner, dv.outer_stride, dv.cols) : nullptr;
+  const bool has_w = w.ptr != nullptr;
   float w1[kNormHeld][V];  // 1 + w of the held packs
 #pragma unroll
   for (int j = 0; j < kNormHeld; ++j)
 #pragma unroll
-    for (int e = 0; e < V; ++e) w1[j][e] = c0 + j * step < D ? 1.0f + w[c0 + j * step + e] : 0.0f;
-  pdl_wait();  // x and delta come from earlier kernels
+    for (int e = 0; e < V; ++e) w1[j][e] = c0 + j * step < D && has_w ? 1.0f + w[c0 + j * step + e] : 1.0f;
+  pdl_wait();  // x comes from earlier kernels
 
-  // Pass 1: (residual add and) sum of squares.
-  auto load_row = [&](int c) {
-    Pack<T, V> a = load_pack<T, V>(xr + c);
-    if constexpr (ADD) {
-      const Pack<T, V> d = load_pack<T, V>(drow + c);
-#pragma unroll
-      for (int e = 0; e < V; ++e) a.v[e] = from_float<T>(to_float(a.v[e]) + to_float(d.v[e]));
-      store_pack(xr + c, a);
-    }
-    return a;
-  };
+  // Pass 1: sum of squares.
+  auto load_row = [&](int c) { return load_pack<T, V>(xr + c); };
   float ss = 0.0f;
   auto add_squares = [&](const Pack<T, V>& a) {
 #pragma unroll
@@ -79,8 +70,8 @@ __global__ void __launch_bounds__(kNormMaxThreads)
   for (int c = c0 + kNormHeld * step; c < D; c += step) {
     float w1c[V];
 #pragma unroll
-    for (int e = 0; e < V; ++e) w1c[e] = 1.0f + w[c + e];
-    store_norm(c, load_pack<T, V>(xr + c), w1c);  // this thread's own (possibly just written) values
+    for (int e = 0; e < V; ++e) w1c[e] = has_w ? 1.0f + w[c + e] : 1.0f;
+    store_norm(c, load_row(c), w1c);
   }
 }
 
@@ -89,27 +80,21 @@ int block_for(int64_t cols, int V) {
   return int(threads < 32 ? 32 : threads > kNormMaxThreads ? kNormMaxThreads : threads);
 }
 
-template <class T, bool ADD>
-void launch_rms_norm(const Tensor& x, const Tensor* delta, const Tensor& out, ParamView w, int64_t D, float eps,
-                     const LaunchCtx& ctx, const char* op) {
-  RowView xv = row_view(x, D, op, "x"), ov = row_view(out, D, op, "out"), dv{};
+template <class T>
+void launch_rms_norm(const Tensor& x, const Tensor& out, ParamView w, int64_t D, float eps, const LaunchCtx& ctx,
+                     const char* op) {
+  RowView xv = row_view(x, D, op, "x"), ov = row_view(out, D, op, "out");
   OCRIA_RT_REQUIRE(xv.rows == ov.rows, op, "x " + x.shape_str() + " and out " + out.shape_str() + " differ in rows");
-  if (ADD) {
-    dv = row_view(*delta, D, op, "delta");
-    OCRIA_RT_REQUIRE(dv.rows == xv.rows, op, "residual " + x.shape_str() + " and delta " + delta->shape_str() + " differ");
-  }
   if (xv.rows == 0 || D == 0) return;
   OCRIA_RT_REQUIRE(xv.rows <= 0x7fffffff, op, "too many rows");
   constexpr int V = vec16<T>();
-  bool vec = vec_ok(x.data, xv.outer_stride, D, V, sizeof(T)) && vec_ok(out.data, ov.outer_stride, D, V, sizeof(T));
-  if (ADD) vec = vec && vec_ok(delta->data, dv.outer_stride, D, V, sizeof(T));
-  const T* dp = ADD ? delta->ptr<const T>() : nullptr;
+  const bool vec = vec_ok(x.data, xv.outer_stride, D, V, sizeof(T)) && vec_ok(out.data, ov.outer_stride, D, V, sizeof(T));
   if (vec)
-    launch_pdl(ctx, "rms_norm_kernel", rms_norm_kernel<T, V, ADD>, unsigned(xv.rows), block_for(D, V), 0, x.ptr<T>(),
-               xv, dp, dv, out.ptr<T>(), ov, w, eps);
+    launch_pdl(ctx, "rms_norm_kernel", rms_norm_kernel<T, V>, unsigned(xv.rows), block_for(D, V), 0, x.ptr<const T>(),
+               xv, out.ptr<T>(), ov, w, eps);
   else
-    launch_pdl(ctx, "rms_norm_kernel", rms_norm_kernel<T, 1, ADD>, unsigned(xv.rows), block_for(D, 1), 0, x.ptr<T>(),
-               xv, dp, dv, out.ptr<T>(), ov, w, eps);
+    launch_pdl(ctx, "rms_norm_kernel", rms_norm_kernel<T, 1>, unsigned(xv.rows), block_for(D, 1), 0, x.ptr<const T>(),
+               xv, out.ptr<T>(), ov, w, eps);
 }
 
 }  // namespace
@@ -120,29 +105,14 @@ void CudaBackend::rms_norm(const Tensor& x, const Tensor& weight, const Tensor& 
   const char* op = "rms_norm";
   require_float(x, op, "x");
   require_tensor(out, x.dtype, op, "out");
-  ParamView w = param_view(weight, op, "weight");
-  const int64_t D = weight.numel();
+  OCRIA_RT_REQUIRE(x.ndim >= 1, op, "x must have at least one dimension");
+  const ParamView w = weight.defined() ? param_view(weight, op, "weight") : ParamView{};
+  const int64_t D = weight.defined() ? weight.numel() : x.dim(x.ndim - 1);
   activate();
   if (x.dtype == DType::BF16)
-    launch_rms_norm<bf16, false>(x, nullptr, out, w, D, eps, launch_ctx(), op);
+    launch_rms_norm<bf16>(x, out, w, D, eps, launch_ctx(), op);
   else
-    launch_rms_norm<float, false>(x, nullptr, out, w, D, eps, launch_ctx(), op);
-}
-
-void CudaBackend::add_rms_norm(const Tensor& residual, const Tensor& delta, const Tensor& weight, const Tensor& out,
-                               float eps) {
-  using namespace cuda;
-  const char* op = "add_rms_norm";
-  require_float(residual, op, "residual");
-  require_tensor(delta, residual.dtype, op, "delta");
-  require_tensor(out, residual.dtype, op, "out");
-  ParamView w = param_view(weight, op, "weight");
-  const int64_t D = weight.numel();
-  activate();
-  if (residual.dtype == DType::BF16)
-    launch_rms_norm<bf16, true>(residual, &delta, out, w, D, eps, launch_ctx(), op);
-  else
-    launch_rms_norm<float, true>(residual, &delta, out, w, D, eps, launch_ctx(), op);
+    launch_rms_norm<float>(x, out, w, D, eps, launch_ctx(), op);
 }
 
 namespace cuda {
