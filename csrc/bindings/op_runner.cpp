@@ -140,11 +140,9 @@ void register_op_runner(py::module_& m) {
       })
       .def(
           "rms_norm_linear",
-          [](OpRunner& r, F32Array x, F32Array w, float eps, std::optional<F32Array> bias, bool glu,
-             std::optional<F32Array> hint) {
+          [](OpRunner& r, F32Array x, F32Array w, float eps, std::optional<F32Array> bias, bool glu) {
             // rms_norm(x, unit) · W^T, or with glu its silu(gate) * up (W in the GLU layout). W is taken
-            // as already folded; `hint` (F32, without glu) goes along as a cache hint. Returns (out,
-            // normed): `normed` comes back NaN where it was not written.
+            // as already folded. Returns (out, normed): `normed` comes back NaN where it was not written.
             LinearWeight lw;
             lw.weight = r.upload(w, r.wt());
             if (bias) lw.bias = r.upload(*bias, DType::F32);
@@ -152,12 +150,10 @@ void register_op_runner(py::module_& m) {
             Tensor xt = r.upload(x, r.act()), normed = r.poisoned({M, x.shape(1)}, r.act());
             Tensor out = r.poisoned({M, glu ? N / 2 : N}, r.act());
             if (glu) r.be().rms_norm_linear_glu(xt, eps, lw, normed, r.poisoned({M, N}, r.act()), out);
-            else if (hint) r.be().rms_norm_linear(xt, eps, lw, normed, out, {{r.upload(*hint, DType::F32)}});
             else r.be().rms_norm_linear(xt, eps, lw, normed, out);
             return py::make_tuple(r.download(out), r.download(normed));
           },
-          py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("bias") = py::none(), py::arg("glu") = false,
-          py::arg("hint") = py::none())
+          py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("bias") = py::none(), py::arg("glu") = false)
       .def(
           "linear_add",
           [](OpRunner& r, F32Array x, F32Array w, F32Array residual, std::optional<F32Array> bias) {

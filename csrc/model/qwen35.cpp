@@ -152,7 +152,7 @@ void Qwen35Model::forward_embedded(int64_t T, const Tensor& positions, const Ten
       const int64_t C = gdn_.conv_dim(), vdim = gdn_.num_v_heads * gdn_.v_head_dim, HV = gdn_.num_v_heads;
       Tensor all = proj.cols(0, L.gdn.in_proj.out_features());
       Tensor conv_out = mixed.cols(0, C), o = ws.gdn_out.rows(0, T), gated = ws.gated.rows(0, T);
-      be_.rms_norm_linear(x, eps, L.gdn.in_proj, normed, all, {{S.recurrent, S.conv_state}});
+      be_.rms_norm_linear(x, eps, L.gdn.in_proj, normed, all);
       if (chunked_gdn) {
         be_.gdn_conv(all.cols(0, C), L.gdn.conv_weight, S.conv_state, conv_out);
         be_.gdn_chunked(conv_out, all.cols(C + vdim, 2 * HV), L.gdn.A_log, L.gdn.dt_bias, S.recurrent, gdn_, o);

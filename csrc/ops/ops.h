@@ -139,19 +139,12 @@ class Backend {
   // Then rms_norm(x, w) · W^T = rms_norm(x, unit) · W'^T (up to that rounding).
   virtual void fold_norm_weight(const Tensor& w, const Tensor& norm_weight) = 0;
 
-  // Data the op after this one reads, which this op may bring into the cache as it ends (a hint that
-  // changes no result): the DeltaNet states, read by a decode step's gdn_decode after its in_proj.
-  struct CacheHint {
-    Tensor tensors[2];
-  };
-
   // out [T, N] = rms_norm(x, unit) · W^T (+ bias): an RMSNorm of x [T, K] with its weight folded into W.
   // `normed` [T, K] holds the normed rows where they are formed in memory first (this default; CUDA
   // above 16 tokens); the CUDA decode path scales each token's products by rsqrt(mean(x^2) + eps)
-  // instead, and leaves `normed` untouched. `then` is a CacheHint (the CUDA decode path prefetches it
-  // into L2 once each block has its last weights).
+  // instead, and leaves `normed` untouched.
   virtual void rms_norm_linear(const Tensor& x, float eps, const LinearWeight& w, const Tensor& normed,
-                               const Tensor& out, const CacheHint& then = {}) {
+                               const Tensor& out) {
     rms_norm(x, Tensor(), normed, eps);
     linear(normed, w, out);
   }

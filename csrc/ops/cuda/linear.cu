@@ -107,21 +107,6 @@ template <int WARPS, int NT, int U, int S, int CS> constexpr int skinny_smem_byt
 // The K range [0, kpre) of the stages issued before pdl_wait().
 template <int WARPS, int U, int S> constexpr int skinny_prologue_k() { return (S - 1) * U * WARPS * 32; }
 
-// Global memory the next op reads, brought into L2 as a launch ends (a Backend::CacheHint): each block
-// prefetches its 1 / gridDim share of each range once its own last weights have landed, so that the
-// DeltaNet decode kernel, whose blocks wait for whole SMs, finds its states in L2.
-struct L2Ranges {
-  const char* ptr[2] = {nullptr, nullptr};
-  int64_t bytes[2] = {0, 0};  // multiples of 16
-};
-
-__device__ __forceinline__ void prefetch_share(const L2Ranges& r, int64_t block, int64_t blocks) {
-  for (int i = 0; i < 2; ++i) {
-    const int64_t share = ((r.bytes[i] + blocks - 1) / blocks + 15) & ~int64_t(15), lo = share * block;
-    if (lo < r.bytes[i]) prefetch_l2(r.ptr[i] + lo, uint32_t(min(share, r.bytes[i] - lo)));
-  }
-}
-
 // Split-K scratch (CudaBackend::splitk_scratch_): one counter per row tile, zero between launches,
 // and one partial tile of 16 rows x 8 NT tokens per (tile, split), [tile][split][token][row].
 struct SplitKScratch {
@@ -147,7 +132,7 @@ template <int WARPS, int NT, int U, int S, bool GLU, bool ADD, bool NORM, bool S
 __global__ void __launch_bounds__(WARPS * 32)
     skinny_gemm_kernel(const bf16* __restrict__ x, int64_t ldx, int M, const bf16* __restrict__ w,
                        int64_t ldw, int N, int K, uint32_t pf_bytes, ParamView bias, bool has_bias,
-                       OutT* __restrict__ out, int64_t ldo, SplitKScratch scratch, float norm_eps, L2Ranges then) {
+                       OutT* __restrict__ out, int64_t ldo, SplitKScratch scratch, float norm_eps) {
   static_assert(!(SPLIT && CS > 1), "split-K over the grid or over a cluster, not both");
   static_assert(!(PERSIST && (SPLIT || CS > 1)), "persistent blocks take whole tiles");
   static_assert(!(GLU && ADD), "the activation or the residual add, not both");
@@ -343,7 +328,6 @@ __global__ void __launch_bounds__(WARPS * 32)
     }
   }
   cp_async_wait<0>();
-  if (tid == 0) prefetch_share(then, blockIdx.x + int64_t(blockIdx.y) * gridDim.x, int64_t(gridDim.x) * gridDim.y);
 
   // The last (or only) tile.
   const int last_n0 = PERSIST ? (int(blockIdx.x) + (my_tiles - 1) * int(gridDim.x)) * 16 : n0;
@@ -530,7 +514,7 @@ dim3 skinny_grid(const SkinnyPlan& p, int N, int per_sm, int sm_count) {
 template <class Cfg, class Epi, class OutT>
 void launch_skinny_cfg(const bf16* x, int64_t ldx, int M, const bf16* w, int64_t ldw, int N, int K,
                        ParamView bias, bool has_bias, OutT* out, int64_t ldo, const SkinnyPlan& p,
-                       SplitKScratch scratch, float norm_eps, L2Ranges then, const LaunchCtx& ctx, int sm_count) {
+                       SplitKScratch scratch, float norm_eps, const LaunchCtx& ctx, int sm_count) {
   const int per_sm = skinny_blocks_per_sm<Cfg, Epi, OutT>();
   const dim3 grid = skinny_grid(p, N, per_sm, sm_count);
   // L2 prefetch per row: the rest of the block's K range after the prologue (the shortest range of
@@ -544,7 +528,7 @@ void launch_skinny_cfg(const bf16* x, int64_t ldx, int M, const bf16* w, int64_t
   if (pf < 1024) pf = 0;
   launch_pdl_cluster(ctx, "skinny_gemm_kernel", Cfg::CS > 1 ? unsigned(Cfg::CS) : 0u, Cfg::template kernel<Epi, OutT>(),
                      grid, Cfg::WARPS * 32, Cfg::smem, x, ldx, M, w, ldw, N, K, uint32_t(pf), bias, has_bias,
-                     out, ldo, scratch, norm_eps, then);
+                     out, ldo, scratch, norm_eps);
 }
 
 // The carving of CudaBackend::splitk_scratch_.
@@ -641,24 +625,11 @@ LinearArgs linear_args(const char* op, const Tensor& x, const LinearWeight& lw) 
 
 template <class Epi, class OutT>
 void launch_skinny(const LinearArgs& a, OutT* out, int64_t ldo, const SkinnyPlan& p, SplitKScratch scratch,
-                   float norm_eps, const LaunchCtx& ctx, int sm_count, L2Ranges then = {}) {
+                   float norm_eps, const LaunchCtx& ctx, int sm_count) {
   visit_skinny<Epi>(p, a.M, [&](auto cfg) {
     launch_skinny_cfg<decltype(cfg), Epi>(a.x, a.ldx, a.M, a.w, a.ldw, a.N, a.K, a.bias, a.has_bias, out, ldo, p,
-                                          scratch, norm_eps, then, ctx, sm_count);
+                                          scratch, norm_eps, ctx, sm_count);
   });
-}
-
-// The ranges of a cache hint: its tensors on this device, whole 16-byte pieces.
-L2Ranges l2_ranges(const Backend::CacheHint& hint, const char* op) {
-  L2Ranges r;
-  for (int i = 0; i < 2; ++i) {
-    const Tensor& t = hint.tensors[i];
-    if (!t.defined()) continue;
-    OCRIA_RT_REQUIRE(t.device == DeviceKind::CUDA && aligned16(t.data), op, "a cache hint must be 16-byte aligned device memory");
-    r.ptr[i] = static_cast<const char*>(t.data);
-    r.bytes[i] = int64_t(t.nbytes()) & ~int64_t(15);
-  }
-  return r;
 }
 
 template <class OutT>
@@ -760,7 +731,7 @@ void CudaBackend::linear_glu(const Tensor& x, const LinearWeight& lw, const Tens
 }
 
 void CudaBackend::rms_norm_linear(const Tensor& x, float eps, const LinearWeight& lw, const Tensor& normed,
-                                  const Tensor& out, const CacheHint& then) {
+                                  const Tensor& out) {
   using namespace cuda;
   const char* op = "rms_norm_linear";
   const LinearArgs a = linear_args(op, x, lw);
@@ -774,7 +745,7 @@ void CudaBackend::rms_norm_linear(const Tensor& x, float eps, const LinearWeight
   // No split-K (every block needs the whole row for its sum of squares), persistent blocks as linear's.
   const SkinnyPlan plan = skinny_plan(a.N, a.K, sm_count_, 1, 0, skinny_persistent_);
   launch_skinny<EpiNorm>(a, out.ptr<bf16>(), out.row_stride, plan, splitk_scratch(splitk_scratch_), eps, launch_ctx(),
-                         sm_count_, l2_ranges(then, op));
+                         sm_count_);
 }
 
 void CudaBackend::rms_norm_linear_glu(const Tensor& x, float eps, const LinearWeight& lw, const Tensor& normed,
