@@ -109,6 +109,8 @@ CudaBackend::CudaBackend(int device_index) : device_(device_index) {
   skinny_cluster_ = cluster_env && *cluster_env ? std::max(0, std::atoi(cluster_env)) : kSkinnyAuto;
   const char* persistent_env = std::getenv("OCRIA_RT_SKINNY_PERSISTENT");
   skinny_persistent_ = persistent_env && *persistent_env ? int(std::strcmp(persistent_env, "1") == 0) : kSkinnyAuto;
+  const char* prefetch_env = std::getenv("OCRIA_RT_L2_PREFETCH_MB");
+  if (prefetch_env && *prefetch_env) skinny_prefetch_bytes_ = int64_t(std::max(0, std::atoi(prefetch_env))) << 20;
   int count = 0;
   check_cuda(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
   if (device_index < 0 || device_index >= count)

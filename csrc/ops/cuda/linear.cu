@@ -424,11 +424,6 @@ __global__ void add_bias_kernel(bf16* __restrict__ out, int64_t ldo, int M, int 
   }
 }
 
-// What the skinny GEMMs of one call may prefetch into L2 before their input is ready, all rows
-// together: enough for the whole of a 2560 x 4096 weight beyond the ring's prologue, small next to
-// the 50 MB L2 so that the prefetched lines are still there when the blocks reach them.
-constexpr int64_t kL2PrefetchBudget = int64_t(16) << 20;
-
 // How one skinny GEMM runs, chosen by skinny_plan from its shape and the backend's switches.
 struct SkinnyPlan {
   int ksplit = 1;        // split-K over the grid (grid.y); 1: none
@@ -514,17 +509,19 @@ dim3 skinny_grid(const SkinnyPlan& p, int N, int per_sm, int sm_count) {
 template <class Cfg, class Epi, class OutT>
 void launch_skinny_cfg(const bf16* x, int64_t ldx, int M, const bf16* w, int64_t ldw, int N, int K,
                        ParamView bias, bool has_bias, OutT* out, int64_t ldo, const SkinnyPlan& p,
-                       SplitKScratch scratch, float norm_eps, const LaunchCtx& ctx, int sm_count) {
+                       SplitKScratch scratch, float norm_eps, int64_t prefetch_budget, const LaunchCtx& ctx,
+                       int sm_count) {
   const int per_sm = skinny_blocks_per_sm<Cfg, Epi, OutT>();
   const dim3 grid = skinny_grid(p, N, per_sm, sm_count);
   // L2 prefetch per row: the rest of the block's K range after the prologue (the shortest range of
-  // a split, less one chunk for the last one's ragged end), within the budget; whole 128-byte
+  // a split, less one chunk for the last one's ragged end), within the budget (all rows together);
+  // whole 128-byte
   // lines; none when it would be too little to matter (many rows).
   constexpr int kpre = skinny_prologue_k<Cfg::WARPS, Cfg::U, Cfg::S>();
   const int splits = p.ksplit * p.cs;
   const int64_t kspan = splits > 1 ? int64_t((K + 31) / 32 / splits - 1) * 32 : K;
   const int64_t rest = kspan > kpre ? (kspan - kpre) * int64_t(sizeof(bf16)) : 0;
-  int64_t pf = std::min(rest, kL2PrefetchBudget / (int64_t(N) * splits)) & ~int64_t(127);
+  int64_t pf = std::min(rest, prefetch_budget / (int64_t(N) * splits)) & ~int64_t(127);
   if (pf < 1024) pf = 0;
   launch_pdl_cluster(ctx, "skinny_gemm_kernel", Cfg::CS > 1 ? unsigned(Cfg::CS) : 0u, Cfg::template kernel<Epi, OutT>(),
                      grid, Cfg::WARPS * 32, Cfg::smem, x, ldx, M, w, ldw, N, K, uint32_t(pf), bias, has_bias,
@@ -600,7 +597,8 @@ LinearArgs linear_args(const char* op, const Tensor& x, const LinearWeight& lw) 
   const Tensor& w = lw.weight;
   require_tensor(x, DType::BF16, op, "x");
   require_tensor(w, DType::BF16, op, "weight");
-  OCRIA_RT_REQUIRE(x.ndim == 2 && w.ndim == 2, op, "expected 2-D x and weight, got " + x.shape_str() + ", " + w.shape_str());
+  OCRIA_RT_REQUIRE(x.ndim == 2 && w.ndim == 2, op,
+                   "expected 2-D x and weight, got " + x.shape_str() + ", " + w.shape_str());
   OCRIA_RT_REQUIRE(w.dim(1) == x.dim(1), op, "shape mismatch: x " + x.shape_str() + ", weight " + w.shape_str());
   OCRIA_RT_REQUIRE(x.dim(0) < (int64_t(1) << 31) && w.dim(0) < (int64_t(1) << 31) && w.dim(1) < (int64_t(1) << 31), op,
                    "dimension too large");
@@ -625,10 +623,10 @@ LinearArgs linear_args(const char* op, const Tensor& x, const LinearWeight& lw) 
 
 template <class Epi, class OutT>
 void launch_skinny(const LinearArgs& a, OutT* out, int64_t ldo, const SkinnyPlan& p, SplitKScratch scratch,
-                   float norm_eps, const LaunchCtx& ctx, int sm_count) {
+                   float norm_eps, int64_t prefetch_budget, const LaunchCtx& ctx, int sm_count) {
   visit_skinny<Epi>(p, a.M, [&](auto cfg) {
     launch_skinny_cfg<decltype(cfg), Epi>(a.x, a.ldx, a.M, a.w, a.ldw, a.N, a.K, a.bias, a.has_bias, out, ldo, p,
-                                          scratch, norm_eps, ctx, sm_count);
+                                          scratch, norm_eps, prefetch_budget, ctx, sm_count);
   });
 }
 
@@ -659,7 +657,8 @@ void CudaBackend::linear(const Tensor& x, const LinearWeight& lw, const Tensor& 
   const LinearArgs a = linear_args(op, x, lw);
   require_float(out, op, "out");
   OCRIA_RT_REQUIRE(out.ndim == 2 && out.dim(0) == a.M && out.dim(1) == a.N, op,
-                   "shape mismatch: x " + x.shape_str() + ", weight " + lw.weight.shape_str() + ", out " + out.shape_str());
+                   "shape mismatch: x " + x.shape_str() + ", weight " + lw.weight.shape_str() + ", out " +
+                       out.shape_str());
   if (a.M == 0 || a.N == 0) return;
   activate();
   const int64_t ldo = out.row_stride;
@@ -668,9 +667,11 @@ void CudaBackend::linear(const Tensor& x, const LinearWeight& lw, const Tensor& 
     const SkinnyPlan plan = skinny_plan(a.N, a.K, sm_count_, skinny_ksplit_, skinny_cluster_, skinny_persistent_);
     const SplitKScratch scratch = splitk_scratch(splitk_scratch_);
     if (out_bf16)
-      launch_skinny<EpiStore>(a, out.ptr<bf16>(), ldo, plan, scratch, 0.0f, launch_ctx(), sm_count_);
+      launch_skinny<EpiStore>(a, out.ptr<bf16>(), ldo, plan, scratch, 0.0f, skinny_prefetch_bytes_, launch_ctx(),
+                              sm_count_);
     else
-      launch_skinny<EpiStore>(a, out.ptr<float>(), ldo, plan, scratch, 0.0f, launch_ctx(), sm_count_);
+      launch_skinny<EpiStore>(a, out.ptr<float>(), ldo, plan, scratch, 0.0f, skinny_prefetch_bytes_, launch_ctx(),
+                              sm_count_);
     return;
   }
   if (a.M > 16 && out_bf16 && a.K > 0 &&
@@ -708,9 +709,9 @@ void check_rows(const char* op, const char* name, const Tensor& x, const LinearW
                 int64_t cols) {
   require_tensor(t, DType::BF16, op, name);
   OCRIA_RT_REQUIRE(t.ndim == 2 && t.dim(0) == x.dim(0) && t.dim(1) == cols, op,
-                   std::string("shape mismatch: x ") + x.shape_str() + ", weight " + lw.weight.shape_str() + ", " + name +
-                       " " + t.shape_str() + " (expected [" + std::to_string(x.dim(0)) + ", " + std::to_string(cols) +
-                       "])");
+                   std::string("shape mismatch: x ") + x.shape_str() + ", weight " + lw.weight.shape_str() + ", " +
+                       name + " " + t.shape_str() + " (expected [" + std::to_string(x.dim(0)) + ", " +
+                       std::to_string(cols) + "])");
 }
 }  // namespace
 }  // namespace cuda
@@ -726,8 +727,8 @@ void CudaBackend::linear_glu(const Tensor& x, const LinearWeight& lw, const Tens
   }
   activate();
   const SkinnyPlan plan = skinny_plan(a.N, a.K, sm_count_, skinny_ksplit_, skinny_cluster_, skinny_persistent_);
-  launch_skinny<EpiGlu>(a, act.ptr<bf16>(), act.row_stride, plan, splitk_scratch(splitk_scratch_), 0.0f, launch_ctx(),
-                        sm_count_);
+  launch_skinny<EpiGlu>(a, act.ptr<bf16>(), act.row_stride, plan, splitk_scratch(splitk_scratch_), 0.0f,
+                        skinny_prefetch_bytes_, launch_ctx(), sm_count_);
 }
 
 void CudaBackend::rms_norm_linear(const Tensor& x, float eps, const LinearWeight& lw, const Tensor& normed,
@@ -744,8 +745,8 @@ void CudaBackend::rms_norm_linear(const Tensor& x, float eps, const LinearWeight
   activate();
   // No split-K (every block needs the whole row for its sum of squares), persistent blocks as linear's.
   const SkinnyPlan plan = skinny_plan(a.N, a.K, sm_count_, 1, 0, skinny_persistent_);
-  launch_skinny<EpiNorm>(a, out.ptr<bf16>(), out.row_stride, plan, splitk_scratch(splitk_scratch_), eps, launch_ctx(),
-                         sm_count_);
+  launch_skinny<EpiNorm>(a, out.ptr<bf16>(), out.row_stride, plan, splitk_scratch(splitk_scratch_), eps,
+                         skinny_prefetch_bytes_, launch_ctx(), sm_count_);
 }
 
 void CudaBackend::rms_norm_linear_glu(const Tensor& x, float eps, const LinearWeight& lw, const Tensor& normed,
@@ -762,7 +763,7 @@ void CudaBackend::rms_norm_linear_glu(const Tensor& x, float eps, const LinearWe
   activate();
   const SkinnyPlan plan = skinny_plan(a.N, a.K, sm_count_, 1, 0, skinny_persistent_);
   launch_skinny<EpiNormGlu>(a, act.ptr<bf16>(), act.row_stride, plan, splitk_scratch(splitk_scratch_), eps,
-                            launch_ctx(), sm_count_);
+                            skinny_prefetch_bytes_, launch_ctx(), sm_count_);
 }
 
 void CudaBackend::linear_add(const Tensor& x, const LinearWeight& lw, const Tensor& delta, const Tensor& residual) {
@@ -778,7 +779,7 @@ void CudaBackend::linear_add(const Tensor& x, const LinearWeight& lw, const Tens
   activate();
   const SkinnyPlan plan = skinny_plan(a.N, a.K, sm_count_, skinny_ksplit_, skinny_cluster_, skinny_persistent_);
   launch_skinny<EpiAdd>(a, residual.ptr<bf16>(), residual.row_stride, plan, splitk_scratch(splitk_scratch_), 0.0f,
-                        launch_ctx(), sm_count_);
+                        skinny_prefetch_bytes_, launch_ctx(), sm_count_);
 }
 
 void CudaBackend::fold_norm_weight(const Tensor& w, const Tensor& norm_weight) {

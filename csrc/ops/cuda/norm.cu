@@ -88,7 +88,8 @@ void launch_rms_norm(const Tensor& x, const Tensor& out, ParamView w, int64_t D,
   if (xv.rows == 0 || D == 0) return;
   OCRIA_RT_REQUIRE(xv.rows <= 0x7fffffff, op, "too many rows");
   constexpr int V = vec16<T>();
-  const bool vec = vec_ok(x.data, xv.outer_stride, D, V, sizeof(T)) && vec_ok(out.data, ov.outer_stride, D, V, sizeof(T));
+  const bool vec =
+      vec_ok(x.data, xv.outer_stride, D, V, sizeof(T)) && vec_ok(out.data, ov.outer_stride, D, V, sizeof(T));
   if (vec)
     launch_pdl(ctx, "rms_norm_kernel", rms_norm_kernel<T, V>, unsigned(xv.rows), block_for(D, V), 0, x.ptr<const T>(),
                xv, out.ptr<T>(), ov, w, eps);
