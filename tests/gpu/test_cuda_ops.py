@@ -332,10 +332,11 @@ def test_linear_add(cpu, gpu_with_env, M, K, N, env, with_bias):
 CHAIN_CASES = [(1, 2560, 4608), (5, 2560, 4608), (16, 2560, 4608), (3, 1001, 1496)]
 
 
-@pytest.mark.parametrize("ksplit,cluster,persistent", [("", "", ""), ("1", "0", "0"), ("3", "0", "0"), ("1", "4", "0"),
-                                                       ("1", "0", "1")])
+@pytest.mark.parametrize("ksplit,cluster,persistent,prefetch", [("", "", "", ""), ("1", "0", "0", "0"),
+                                                                ("3", "0", "0", "16"), ("1", "4", "0", "4"),
+                                                                ("1", "0", "1", "64")])
 @pytest.mark.parametrize("M,H,I", CHAIN_CASES)
-def test_dependent_op_chain(cpu, monkeypatch, M, H, I, ksplit, cluster, persistent):
+def test_dependent_op_chain(cpu, monkeypatch, M, H, I, ksplit, cluster, persistent, prefetch):
     """Three MLP residual blocks (rms_norm_linear_glu -> linear_add), then rms_norm, enqueued without
     host synchronisation in between, so that with PDL each kernel starts while its predecessor still
     runs and the residual is rewritten while earlier kernels may still read it. Against the CPU, and
@@ -343,8 +344,9 @@ def test_dependent_op_chain(cpu, monkeypatch, M, H, I, ksplit, cluster, persiste
     pdl_wait() shows as a difference). The skinny GEMM's defaults (empty: its automatic choices),
     everything off, split-K forced to 3 splits everywhere it applies (the down projections; back-to-back
     launches share the scratch), cluster split-K over 4 blocks, and persistent blocks (gate_up's 576
-    tiles)."""
+    tiles); some with an L2 prefetch budget (OCRIA_RT_L2_PREFETCH_MB, a hint: the same bits)."""
     monkeypatch.setenv("OCRIA_RT_SKINNY_KSPLIT", ksplit)
+    monkeypatch.setenv("OCRIA_RT_L2_PREFETCH_MB", prefetch)
     monkeypatch.setenv("OCRIA_RT_SKINNY_CLUSTER", cluster)
     monkeypatch.setenv("OCRIA_RT_SKINNY_PERSISTENT", persistent)
     rng = np.random.default_rng(M + H + I)
@@ -361,6 +363,9 @@ def test_dependent_op_chain(cpu, monkeypatch, M, H, I, ksplit, cluster, persiste
     assert relerr(got_out, want_out) <= CHAIN_TOL
     np.testing.assert_array_equal(got["0"][0], got_res)
     np.testing.assert_array_equal(got["0"][1], got_out)
+    if prefetch not in ("", "0"):  # the same chain without the prefetch
+        monkeypatch.setenv("OCRIA_RT_L2_PREFETCH_MB", "0")
+        np.testing.assert_array_equal(_core.OpRunner("cuda").block_chain(*args)[0], got_res)
 
 
 # ---- attention: prepare (norms, RoPE, cache write) and split-K decode / simple prefill ----

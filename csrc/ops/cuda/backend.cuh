@@ -324,9 +324,8 @@ class CudaBackend final : public Backend {
   int skinny_cluster_ = kSkinnyAuto;
   int skinny_persistent_ = kSkinnyAuto;
   // What the blocks of one skinny GEMM prefetch into L2, together, before their input is ready
-  // (OCRIA_RT_L2_PREFETCH_MB; default 16 MiB: the whole of a 2560 x 4096 weight beyond the ring's
-  // prologue, small next to the 50 MB L2 so that the lines are still there when the blocks reach them).
-  int64_t skinny_prefetch_bytes_ = int64_t(16) << 20;
+  // (OCRIA_RT_L2_PREFETCH_MB; default none: linear.cu, the notes on programmatic dependent launch).
+  int64_t skinny_prefetch_bytes_ = 0;
   cudaStream_t stream_ = nullptr;
   // Op scratch, shared by all ops: kernels on the one stream only touch it after pdl_wait(), when
   // every earlier kernel has completed.

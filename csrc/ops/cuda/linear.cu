@@ -52,9 +52,13 @@ namespace {
 // from L2 at every stage at 63-70%; now 74-99%, bench/results, tenth session).
 //
 // Programmatic dependent launch: W is read-only, so a block issues the ring's first S - 1 stages
-// (K range [0, kpre) of its own K range, kpre = (S - 1) * U * WARPS * 32) and an L2 prefetch of the
-// next pf_bytes of each of its 16 rows before pdl_wait(); only then does it read x. The weight
-// stream thereby starts while the kernels before it (norms, attention, the DeltaNet chain) still run.
+// (K range [0, kpre) of its own K range, kpre = (S - 1) * U * WARPS * 32) before pdl_wait(); only
+// then does it read x. The weight stream thereby starts while the kernels before it still run. An L2
+// prefetch of the next pf_bytes of each of its 16 rows can go out there too (OCRIA_RT_L2_PREFETCH_MB):
+// off by default, since the norms became part of the linears; with a budget of 16 MiB per launch the
+// 4B decode step took 2.68 ms, with 4 MiB 2.56, with none 2.56 (H200, bench/results, thirteenth session):
+// what the blocks of a starting linear prefetch competes with the bytes the linear before it still
+// streams.
 //
 // Split-K (SPLIT, grid.y = ksplit > 1; only when asked for, see skinny_ksplit): meant for few row
 // tiles (N = 2560: 160 tiles on 132 SMs leave SMs with one tile next to SMs with two), it measured
