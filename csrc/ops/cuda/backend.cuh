@@ -72,6 +72,16 @@ struct LaunchCtx {
   bool pdl = false;
 };
 
+// What the decode GEMM (linear.cu's skinny GEMM) takes from the backend: the launch context, the SM
+// count, the switches read when the backend was constructed, and the split-K scratch.
+struct SkinnySettings {
+  LaunchCtx ctx;
+  int sm_count = 0;
+  int ksplit = 0, cluster = 0, persistent = 0;  // OCRIA_RT_SKINNY_KSPLIT, _CLUSTER, _PERSISTENT
+  int64_t prefetch_bytes = 0;                   // OCRIA_RT_L2_PREFETCH_MB
+  void* splitk_scratch = nullptr;
+};
+
 // kernel<<<grid, block, smem, ctx.stream>>>(args...), as a programmatic dependent launch when
 // ctx.pdl, in thread block clusters of `cluster` consecutive blocks along x when cluster > 0 (it
 // must divide grid.x; at most 8). `what` names the kernel in the error message. The kernel must
@@ -305,6 +315,10 @@ class CudaBackend final : public Backend {
   // Makes device_ current on the calling thread (cheap when it already is).
   void activate() const;
   cuda::LaunchCtx launch_ctx() const { return {stream_, pdl_}; }
+  cuda::SkinnySettings skinny_settings() const {
+    return {launch_ctx(), sm_count_, skinny_ksplit_, skinny_cluster_, skinny_persistent_, skinny_prefetch_bytes_,
+            splitk_scratch_};
+  }
   void free_resources() noexcept;
   // The GDN recurrence ops; `chunked` takes the chunked tensor-core kernels where they apply.
   void gdn_run(const char* op, const Tensor& qkv, const Tensor& ba, const Tensor& A_log, const Tensor& dt_bias,

@@ -625,12 +625,17 @@ LinearArgs linear_args(const char* op, const Tensor& x, const LinearWeight& lw) 
   return a;
 }
 
+// The decode GEMM of epilogue Epi on x and W (linear_args' skinny), the launch shape chosen from the
+// backend's switches; with Epi::NORM without split-K (every block needs the whole row for its sum of
+// squares) and with persistent blocks as linear's.
 template <class Epi, class OutT>
-void launch_skinny(const LinearArgs& a, OutT* out, int64_t ldo, const SkinnyPlan& p, SplitKScratch scratch,
-                   float norm_eps, int64_t prefetch_budget, const LaunchCtx& ctx, int sm_count) {
+void run_skinny(const LinearArgs& a, OutT* out, int64_t ldo, float norm_eps, const SkinnySettings& st) {
+  const SkinnyPlan p = Epi::NORM ? skinny_plan(a.N, a.K, st.sm_count, 1, 0, st.persistent)
+                                 : skinny_plan(a.N, a.K, st.sm_count, st.ksplit, st.cluster, st.persistent);
   visit_skinny<Epi>(p, a.M, [&](auto cfg) {
     launch_skinny_cfg<decltype(cfg), Epi>(a.x, a.ldx, a.M, a.w, a.ldw, a.N, a.K, a.bias, a.has_bias, out, ldo, p,
-                                          scratch, norm_eps, prefetch_budget, ctx, sm_count);
+                                          splitk_scratch(st.splitk_scratch), norm_eps, st.prefetch_bytes, st.ctx,
+                                          st.sm_count);
   });
 }
 
@@ -668,14 +673,10 @@ void CudaBackend::linear(const Tensor& x, const LinearWeight& lw, const Tensor& 
   const int64_t ldo = out.row_stride;
   const bool out_bf16 = out.dtype == DType::BF16;
   if (a.skinny) {
-    const SkinnyPlan plan = skinny_plan(a.N, a.K, sm_count_, skinny_ksplit_, skinny_cluster_, skinny_persistent_);
-    const SplitKScratch scratch = splitk_scratch(splitk_scratch_);
     if (out_bf16)
-      launch_skinny<EpiStore>(a, out.ptr<bf16>(), ldo, plan, scratch, 0.0f, skinny_prefetch_bytes_, launch_ctx(),
-                              sm_count_);
+      run_skinny<EpiStore>(a, out.ptr<bf16>(), ldo, 0.0f, skinny_settings());
     else
-      launch_skinny<EpiStore>(a, out.ptr<float>(), ldo, plan, scratch, 0.0f, skinny_prefetch_bytes_, launch_ctx(),
-                              sm_count_);
+      run_skinny<EpiStore>(a, out.ptr<float>(), ldo, 0.0f, skinny_settings());
     return;
   }
   if (a.M > 16 && out_bf16 && a.K > 0 &&
@@ -730,9 +731,7 @@ void CudaBackend::linear_glu(const Tensor& x, const LinearWeight& lw, const Tens
     return;
   }
   activate();
-  const SkinnyPlan plan = skinny_plan(a.N, a.K, sm_count_, skinny_ksplit_, skinny_cluster_, skinny_persistent_);
-  launch_skinny<EpiGlu>(a, act.ptr<bf16>(), act.row_stride, plan, splitk_scratch(splitk_scratch_), 0.0f,
-                        skinny_prefetch_bytes_, launch_ctx(), sm_count_);
+  run_skinny<EpiGlu>(a, act.ptr<bf16>(), act.row_stride, 0.0f, skinny_settings());
 }
 
 void CudaBackend::rms_norm_linear(const Tensor& x, float eps, const LinearWeight& lw, const Tensor& normed,
@@ -747,10 +746,7 @@ void CudaBackend::rms_norm_linear(const Tensor& x, float eps, const LinearWeight
     return;
   }
   activate();
-  // No split-K (every block needs the whole row for its sum of squares), persistent blocks as linear's.
-  const SkinnyPlan plan = skinny_plan(a.N, a.K, sm_count_, 1, 0, skinny_persistent_);
-  launch_skinny<EpiNorm>(a, out.ptr<bf16>(), out.row_stride, plan, splitk_scratch(splitk_scratch_), eps,
-                         skinny_prefetch_bytes_, launch_ctx(), sm_count_);
+  run_skinny<EpiNorm>(a, out.ptr<bf16>(), out.row_stride, eps, skinny_settings());
 }
 
 void CudaBackend::rms_norm_linear_glu(const Tensor& x, float eps, const LinearWeight& lw, const Tensor& normed,
@@ -765,9 +761,7 @@ void CudaBackend::rms_norm_linear_glu(const Tensor& x, float eps, const LinearWe
     return;
   }
   activate();
-  const SkinnyPlan plan = skinny_plan(a.N, a.K, sm_count_, 1, 0, skinny_persistent_);
-  launch_skinny<EpiNormGlu>(a, act.ptr<bf16>(), act.row_stride, plan, splitk_scratch(splitk_scratch_), eps,
-                            skinny_prefetch_bytes_, launch_ctx(), sm_count_);
+  run_skinny<EpiNormGlu>(a, act.ptr<bf16>(), act.row_stride, eps, skinny_settings());
 }
 
 void CudaBackend::linear_add(const Tensor& x, const LinearWeight& lw, const Tensor& delta, const Tensor& residual) {
@@ -781,9 +775,7 @@ void CudaBackend::linear_add(const Tensor& x, const LinearWeight& lw, const Tens
     return;
   }
   activate();
-  const SkinnyPlan plan = skinny_plan(a.N, a.K, sm_count_, skinny_ksplit_, skinny_cluster_, skinny_persistent_);
-  launch_skinny<EpiAdd>(a, residual.ptr<bf16>(), residual.row_stride, plan, splitk_scratch(splitk_scratch_), 0.0f,
-                        skinny_prefetch_bytes_, launch_ctx(), sm_count_);
+  run_skinny<EpiAdd>(a, residual.ptr<bf16>(), residual.row_stride, 0.0f, skinny_settings());
 }
 
 void CudaBackend::fold_norm_weight(const Tensor& w, const Tensor& norm_weight) {
