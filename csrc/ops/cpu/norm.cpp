@@ -18,9 +18,9 @@ void CpuBackend::rms_norm(const Tensor& x, const Tensor& weight, const Tensor& o
 
 void CpuBackend::fold_norm_weight(const Tensor& w, const Tensor& norm_weight) {
   expect_cpu_f32(w, "fold_norm_weight weight");
-  const int64_t N = w.dim(0), K = w.dim(1);
-  if (w.ndim != 2 || norm_weight.numel() != K)
+  if (w.ndim != 2 || norm_weight.numel() != w.dim(1))
     throw Error(ErrorCode::kInternal, "fold_norm_weight: weight " + w.shape_str() + " vs norm weight " + norm_weight.shape_str());
+  const int64_t N = w.dim(0), K = w.dim(1);
   const float* nw = norm_weight.ptr<const float>();
 #pragma omp parallel for num_threads(threads_) if (N > 64)
   for (int64_t n = 0; n < N; ++n) {
