@@ -113,14 +113,16 @@ def label_groups(rows: list[dict], c: dict, context: int) -> None:
         name, grid = r["kernel"], r["grid"]
         r["work"], r["bytes_per_step"] = "", None
         if name.startswith("skinny_gemm_kernel<") and grid:
-            # WARPS, NT, U, S, GLU, ADD, NORM, SPLIT, CS, PERSIST, OutT
+            # WARPS, NT, U, S, GLU, ADD, NORM, SPLIT, CS, PERSIST, RT, OutT
             targs = [a.strip() for a in name.split("<", 1)[1].split(",")]
             epi, blocks_per_tile, persistent = tuple(a == "true" for a in targs[4:7]), int(targs[8]), targs[9] == "true"
+            rows = 16 * int(targs[10]) if len(targs) > 11 else 16  # a block tile's rows
             same_kind = [l for l in linears if l["epi"] == epi]
             if persistent:  # the grid is the blocks that fit at once, not the tiles
-                hits = linears_by_calls([l for l in same_kind if (l["N"] + 15) // 16 >= grid[0]], r.get("calls_per_step"))
+                tall_enough = [l for l in same_kind if -(-l["N"] // rows) >= grid[0]]
+                hits = linears_by_calls(tall_enough, r.get("calls_per_step"))
             else:
-                hits = [l for l in same_kind if (l["N"] + 15) // 16 == grid[0] // blocks_per_tile]
+                hits = [l for l in same_kind if -(-l["N"] // rows) == grid[0] // blocks_per_tile]
             if hits:
                 r["work"] = " / ".join(l["name"] for l in hits)
                 r["bytes_per_step"] = float(sum(2 * l["N"] * l["K"] * l["count"] for l in hits))

@@ -50,6 +50,15 @@ def test_engine_linears_are_every_projection_once():
 N2560 = "attn o / gdn out / mlp down"
 
 
+def test_block_tiles_of_two_row_tiles_count_32_rows():
+    """RT = 2 (OCRIA_RT_SKINNY_ROWS=32): a grid of N / 32 blocks is gate_up's (1152 row tiles of 16)."""
+    c = full_config(SHAPES["ocria1-4b"])
+    rows = [{"kernel": "skinny_gemm_kernel<8, 2, 1, 4, true, false, true, false, 1, false, 2, __nv_bfloat16>",
+             "grid": [576, 1, 1]}]
+    label_groups(rows, c, 1024)
+    assert rows[0]["work"] == "mlp gate_up"
+
+
 # The template arguments GLU, ADD, NORM of each kind of linear (bench/decode.py, engine_linears).
 ADD, NORM, GLU_NORM, PLAIN = "false, true, false", "false, false, true", "true, false, true", "false, false, false"
 
@@ -61,7 +70,7 @@ ADD, NORM, GLU_NORM, PLAIN = "false, true, false", "false, false, true", "true, 
                                               ((15520, 1, 1), PLAIN, 1, "lm_head"), ((999, 1, 1), PLAIN, 1, "")])
 def test_skinny_gemm_groups_get_their_linears_bytes(grid, epi, cs, work):
     c = full_config(SHAPES["ocria1-4b"])
-    rows = [{"kernel": f"skinny_gemm_kernel<16, 1, 2, 3, {epi}, false, {cs}, false, __nv_bfloat16>", "grid": list(grid)},
+    rows = [{"kernel": f"skinny_gemm_kernel<16, 1, 2, 3, {epi}, false, {cs}, false, 1, __nv_bfloat16>", "grid": list(grid)},
             {"kernel": "gdn_decode_kernel<128>", "grid": [32, 1, 1]}]
     label_groups(rows, c, 1024)
     assert rows[0]["work"] == work
@@ -81,7 +90,7 @@ def test_persistent_skinny_gemm_groups_are_found_by_their_calls(epi, calls, work
     linears of the same kind (the same GLU, ADD and NORM) and at least that many tiles whose layer
     counts add up to its calls per step."""
     c = full_config(SHAPES["ocria1-4b"])
-    rows = [{"kernel": f"skinny_gemm_kernel<8, 1, 2, 4, {epi}, false, 1, true, __nv_bfloat16>", "grid": [396, 1, 1],
+    rows = [{"kernel": f"skinny_gemm_kernel<8, 1, 2, 4, {epi}, false, 1, true, 1, __nv_bfloat16>", "grid": [396, 1, 1],
              "calls_per_step": calls}]
     label_groups(rows, c, 1024)
     assert set(filter(None, rows[0]["work"].split(" / "))) == work

@@ -324,6 +324,45 @@ def test_linear_add(cpu, gpu_with_env, M, K, N, env, with_bias):
     np.testing.assert_array_equal(got, bf16(res + gpu.linear(x, w, bias)))
 
 
+# ---- block tiles of two row tiles (OCRIA_RT_SKINNY_ROWS=32): the same sums as 16-row blocks ----
+
+# M, K, N: one and two token tiles; OCRIA-1's in_proj and gate_up (persistent blocks), N = 2560 and
+# 1024 (16 warps; no clusters are taken then), 8-warp blocks of many tiles, an odd N (a partial last
+# row tile, and N = 999 a partial second row tile of the last block), K not a multiple of 32.
+ROWS32_CASES = [(1, 2560, 12352), (16, 2560, 18432), (9, 2560, 2560), (5, 3584, 1024), (3, 1000, 999),
+                (12, 2632, 10007), (16, 256, 250), (1, 264, 40016)]
+
+
+@pytest.mark.parametrize("M,K,N", ROWS32_CASES)
+def test_linear_rows32(cpu, gpu_with_env, M, K, N):
+    """Every op of the decode GEMM with two row tiles per block: against the CPU, and bit for bit the
+    16-row blocks (each thread adds the same products in the same order; only which block stores a
+    row tile changes): linear (BF16 and F32 out, with a bias), linear_glu, rms_norm_linear(_glu) and
+    linear_add, with the automatic launch shapes and with persistent blocks forced."""
+    rng = np.random.default_rng(M * 7919 + K * 31 + N + 32)
+    x = bf16(randn(rng, M, K) * rng.uniform(0.5, 20, (M, 1)).astype(np.float32))
+    w, bias, res = randn(rng, N, K, scale=K**-0.5), randn(rng, N), randn(rng, M, N, scale=4)
+    glu_w = w[: N // 16 * 16]  # gate and up in the GLU layout: any 2I rows, I a multiple of 8
+
+    def outputs(r):
+        return (r.linear(x, w), r.linear(x, w, bias, True), r.linear_glu(x, glu_w),
+                r.rms_norm_linear(x, w, 1e-6, bias)[0], r.rms_norm_linear(x, glu_w, 1e-6, glu=True)[0],
+                r.linear_add(x, w, res))
+
+    runs = {}
+    for rows in ("16", "32"):
+        for persistent in ("", "1"):
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("OCRIA_RT_SKINNY_ROWS", rows)
+                mp.setenv("OCRIA_RT_SKINNY_PERSISTENT", persistent)
+                runs[rows, persistent] = outputs(_core.OpRunner("cuda"))
+    want = outputs(cpu)
+    for persistent in ("", "1"):
+        for got, ref16, cpu_out in zip(runs["32", persistent], runs["16", persistent], want):
+            assert relerr(got, cpu_out) <= OUT_TOL
+            np.testing.assert_array_equal(got, ref16)
+
+
 # ---- programmatic dependent launch: dependent kernels back to back ----
 
 # (M, H, I): H = 2560 with I = 4608 takes both skinny-GEMM configurations without split-K (gate_up

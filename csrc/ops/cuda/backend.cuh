@@ -78,6 +78,7 @@ struct SkinnySettings {
   LaunchCtx ctx;
   int sm_count = 0;
   int ksplit = 0, cluster = 0, persistent = 0;  // OCRIA_RT_SKINNY_KSPLIT, _CLUSTER, _PERSISTENT
+  int rows = -1;                                // OCRIA_RT_SKINNY_ROWS (-1: CudaBackend::kSkinnyAuto)
   int64_t prefetch_bytes = 0;                   // OCRIA_RT_L2_PREFETCH_MB
   void* splitk_scratch = nullptr;
 };
@@ -316,8 +317,8 @@ class CudaBackend final : public Backend {
   void activate() const;
   cuda::LaunchCtx launch_ctx() const { return {stream_, pdl_}; }
   cuda::SkinnySettings skinny_settings() const {
-    return {launch_ctx(), sm_count_, skinny_ksplit_, skinny_cluster_, skinny_persistent_, skinny_prefetch_bytes_,
-            splitk_scratch_};
+    return {launch_ctx(), sm_count_, skinny_ksplit_, skinny_cluster_, skinny_persistent_, skinny_rows_,
+            skinny_prefetch_bytes_, splitk_scratch_};
   }
   void free_resources() noexcept;
   // The GDN recurrence ops; `chunked` takes the chunked tensor-core kernels where they apply.
@@ -337,6 +338,9 @@ class CudaBackend final : public Backend {
   // tiles, anything else: never.
   int skinny_cluster_ = kSkinnyAuto;
   int skinny_persistent_ = kSkinnyAuto;
+  // OCRIA_RT_SKINNY_ROWS: 32 gives a block two row tiles that share their x loads wherever no K is
+  // split, 16 never; unset: above 8 tokens without the GLU epilogue (linear.cu, skinny_plan).
+  int skinny_rows_ = kSkinnyAuto;
   // What the blocks of one skinny GEMM prefetch into L2, together, before their input is ready
   // (OCRIA_RT_L2_PREFETCH_MB; default none: linear.cu, the notes on programmatic dependent launch).
   int64_t skinny_prefetch_bytes_ = 0;

@@ -103,10 +103,13 @@ __device__ __forceinline__ float add_squares(const uint4& v, float acc) {
   return acc;
 }
 
-// Dynamic shared memory: the ring, then (cluster split-K) the partial tiles of blocks 1 .. CS-1.
-template <int WARPS, int U, int S> constexpr int skinny_ring_bytes() { return S * U * 2 * WARPS * 32 * 16; }
-template <int WARPS, int NT, int U, int S, int CS> constexpr int skinny_smem_bytes() {
-  return skinny_ring_bytes<WARPS, U, S>() + (CS - 1) * 16 * 8 * NT * int(sizeof(float));
+// Dynamic shared memory: the ring (S stages of U chunks of 2 RT rows per thread), then (cluster
+// split-K) the partial tiles of blocks 1 .. CS-1.
+template <int WARPS, int U, int S, int RT> constexpr int skinny_ring_bytes() {
+  return S * U * 2 * RT * WARPS * 32 * 16;
+}
+template <int WARPS, int NT, int U, int S, int CS, int RT> constexpr int skinny_smem_bytes() {
+  return skinny_ring_bytes<WARPS, U, S, RT>() + (CS - 1) * 16 * 8 * NT * int(sizeof(float));
 }
 // The K range [0, kpre) of the stages issued before pdl_wait().
 template <int WARPS, int U, int S> constexpr int skinny_prologue_k() { return (S - 1) * U * WARPS * 32; }
@@ -120,7 +123,7 @@ struct SplitKScratch {
 
 // Requirements (checked by the caller): K % 8 == 0, ldx % 8 == 0, ldw % 8 == 0, x and w 16-byte
 // aligned, 1 <= M <= 8 * NT; pf_bytes a multiple of 16 with kpre + pf_bytes / 2 no larger than a
-// block's K range (or 0). Dynamic shared memory: skinny_smem_bytes<WARPS, NT, U, S, CS>().
+// block's K range (or 0). Dynamic shared memory: skinny_smem_bytes<WARPS, NT, U, S, CS, RT>().
 // GLU: W is in the GLU layout (ops.h, kGluGroup = 8: rows 0-7 of each 16-row tile are gate rows,
 // rows 8-15 the matching up rows) and out [M, N / 2] receives silu(gate) * up, with gate and up
 // rounded to BF16 first as the separate silu_mul kernel would read them; N % 16 == 0.
@@ -132,7 +135,13 @@ struct SplitKScratch {
 // from one tile into the next (stage g is step g % iters of its (g / iters)-th tile, iters the same
 // for every warp), so the ring keeps the next tile's weights in flight while a tile's sums are
 // reduced and stored (only without SPLIT and CS).
-template <int WARPS, int NT, int U, int S, bool GLU, bool ADD, bool NORM, bool SPLIT, int CS, bool PERSIST, class OutT>
+// RT = 2 (OCRIA_RT_SKINNY_ROWS=32, an experiment; not with SPLIT or CS > 1): a block tile is two row
+// tiles (32 rows) whose mma tiles share every x fragment a thread loads, so x is read from L2 once per
+// 32 rows of W instead of once per 16 (at 16 tokens x is as many bytes as the W tile it multiplies).
+// Each thread then loads W rows g + 8 r, r < 4, and a stage holds U = 1 chunk of them (the same ring
+// bytes); the sums are those of two 16-row launches, in the same order, so the bits are the same.
+template <int WARPS, int NT, int U, int S, bool GLU, bool ADD, bool NORM, bool SPLIT, int CS, bool PERSIST, int RT,
+          class OutT>
 __global__ void __launch_bounds__(WARPS * 32)
     skinny_gemm_kernel(const bf16* __restrict__ x, int64_t ldx, int M, const bf16* __restrict__ w,
                        int64_t ldw, int N, int K, uint32_t pf_bytes, ParamView bias, bool has_bias,
@@ -141,21 +150,26 @@ __global__ void __launch_bounds__(WARPS * 32)
   static_assert(!(PERSIST && (SPLIT || CS > 1)), "persistent blocks take whole tiles");
   static_assert(!(GLU && ADD), "the activation or the residual add, not both");
   static_assert(!(NORM && (SPLIT || CS > 1)), "the norm's sum of squares needs all of K in every block");
+  static_assert(RT == 1 || (RT == 2 && !SPLIT && CS == 1), "two row tiles per block only without split-K");
   pdl_launch_dependents();
   if constexpr (CS > 1) cluster_arrive_relaxed();  // "this block runs"; waited on before the remote stores
   constexpr int NTH = WARPS * 32;
   // The ring follows the static `red` (a multiple of 128 bytes) and must stay 128-byte aligned:
   // add no other static shared variable here.
-  extern __shared__ __align__(128) uint4 wring[];  // [S][U][2 rows][NTH]: a thread's slots are column tid
+  extern __shared__ __align__(128) uint4 wring[];  // [S][U][2 RT rows][NTH]: a thread's slots are column tid
   __shared__ float red[WARPS][NORM ? 17 : 16][16];  // [warp][W row | NORM: 16 = sum of squares][token]
   static_assert(sizeof(red) % 128 == 0, "the dynamic ring after `red` must stay 128-byte aligned");
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int tiles = (N + 15) / 16;
-  const int n0 = int(blockIdx.x) / CS * 16;  // the (first) row tile (CS = 1: one block per tile)
-  const bool row_ok0 = n0 + g < N, row_ok1 = n0 + g + 8 < N;
-  const bf16* w0 = w + int64_t(row_ok0 ? n0 + g : 0) * ldw + 8 * t;
-  const bf16* w1 = w + int64_t(row_ok1 ? n0 + g + 8 : 0) * ldw + 8 * t;
+  constexpr int BR = 16 * RT, R = 2 * RT;  // rows of a block tile; W rows a thread loads, g + 8 r
+  const int tiles = (N + BR - 1) / BR;
+  const int n0 = int(blockIdx.x) / CS * BR;  // the (first) block tile (CS = 1: one block per tile)
+  bool row_ok[R];
+  const bf16* wrow[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) row_ok[r] = n0 + g + 8 * r < N;
+#pragma unroll
+  for (int r = 0; r < R; ++r) wrow[r] = w + int64_t(row_ok[r] ? n0 + g + 8 * r : 0) * ldw + 8 * t;
   bool tok_ok[NT];
   const bf16* xr[NT];
 #pragma unroll
@@ -186,48 +200,61 @@ __global__ void __launch_bounds__(WARPS * 32)
   // K % 8 == 0: a thread's 16-byte piece of a chunk is all in range or all out.
   auto piece_in = [&](int c) { return c < c_hi && c * 32 + 8 * t < K; };
   auto issue = [&](int st) {  // stage `st` of this thread into ring slot st % S
-    uint4* slot = wring + (st % S) * U * 2 * NTH + tid;
+    uint4* slot = wring + (st % S) * U * R * NTH + tid;
     int it = st;
-    const bf16 *r0 = w0, *r1 = w1;
-    bool ok0 = row_ok0, ok1 = row_ok1;
+    const bf16* rp[R];
+    bool ok[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      rp[r] = wrow[r];
+      ok[r] = row_ok[r];
+    }
     if constexpr (PERSIST) {  // step it of tile ti
-      const int ti = st / iters, m0 = (int(blockIdx.x) + ti * int(gridDim.x)) * 16;
+      const int ti = st / iters, m0 = (int(blockIdx.x) + ti * int(gridDim.x)) * BR;
       it = st - ti * iters;
-      ok0 = st < stages && m0 + g < N;
-      ok1 = st < stages && m0 + g + 8 < N;
-      r0 = w + int64_t(ok0 ? m0 + g : 0) * ldw + 8 * t;
-      r1 = w + int64_t(ok1 ? m0 + g + 8 : 0) * ldw + 8 * t;
+      // The flags first, then the pointers (the order the 16-row kernels were measured with).
+#pragma unroll
+      for (int r = 0; r < R; ++r) ok[r] = st < stages && m0 + g + 8 * r < N;
+#pragma unroll
+      for (int r = 0; r < R; ++r) rp[r] = w + int64_t(ok[r] ? m0 + g + 8 * r : 0) * ldw + 8 * t;
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = c_lo + warp + WARPS * (it * U + u);
       const bool in = st < stages && piece_in(c);
       const int k = in ? c * 32 : 0;
-      cp_async16(slot + (2 * u) * NTH, r0 + k, in && ok0 ? 16 : 0);
-      cp_async16(slot + (2 * u + 1) * NTH, r1 + k, in && ok1 ? 16 : 0);
+#pragma unroll
+      for (int r = 0; r < R; ++r) cp_async16(slot + (R * u + r) * NTH, rp[r] + k, in && ok[r] ? 16 : 0);
     }
     cp_async_commit();  // always commit (possibly empty) so that group counting stays uniform
   };
 
-  float acc[NT][4];
+  float acc[RT][NT][4];
   float sq[NT];  // NORM: this thread's sum of squares of x row g + 8 j over the tile's K pieces it loaded
   auto clear_acc = [&] {
 #pragma unroll
-    for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = sq[j] = 0.0f;
+    for (int j = 0; j < NT; ++j) {
+      sq[j] = 0.0f;
+#pragma unroll
+      for (int rt = 0; rt < RT; ++rt) acc[rt][j][0] = acc[rt][j][1] = acc[rt][j][2] = acc[rt][j][3] = 0.0f;
+    }
   };
-  // The block's sums of one tile: accumulator fragments (c0, c1 = row g, tokens 2t, 2t+1; c2, c3 =
-  // row g + 8, same tokens) through `red`, summed over the warps by thread (row, tok) = (tid % 16,
-  // tid / 16); `owner`: this thread holds an output element of the tile at rows tile_n0 + row.
+  // The block's sums of row tile rt of a block tile: accumulator fragments (c0, c1 = row g, tokens 2t,
+  // 2t+1; c2, c3 = row g + 8, same tokens) through `red`, summed over the warps by thread (row, tok) =
+  // (tid % 16, tid / 16); `owner`: this thread holds an output element of the row tile at tile_n0 + row.
   // NORM: the sums of squares (over the 4 threads of a row group, then over the warps) scale them.
   constexpr int kTileElems = 16 * 8 * NT;
   const int row = tid & 15, tok = tid >> 4;
-  auto block_sum = [&](int tile_n0, bool& owner) {
+  using First = std::integral_constant<int, 0>;
+  using Last = std::integral_constant<int, RT - 1>;
+  auto block_sum = [&](auto rt_c, int tile_n0, bool& owner) {
+    constexpr int rt = decltype(rt_c)::value;
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
-      red[warp][g][8 * j + 2 * t] = acc[j][0];
-      red[warp][g][8 * j + 2 * t + 1] = acc[j][1];
-      red[warp][g + 8][8 * j + 2 * t] = acc[j][2];
-      red[warp][g + 8][8 * j + 2 * t + 1] = acc[j][3];
+      red[warp][g][8 * j + 2 * t] = acc[rt][j][0];
+      red[warp][g][8 * j + 2 * t + 1] = acc[rt][j][1];
+      red[warp][g + 8][8 * j + 2 * t] = acc[rt][j][2];
+      red[warp][g + 8][8 * j + 2 * t + 1] = acc[rt][j][3];
       if constexpr (NORM) {
         float s = sq[j];
         s += __shfl_xor_sync(0xffffffffu, s, 1);
@@ -250,33 +277,44 @@ __global__ void __launch_bounds__(WARPS * 32)
     }
     return sum;
   };
-  // ADD: the residual element a thread adds to, read early where the storing block is known then.
+  // ADD: the residual elements a thread adds to (one per row tile), read early where the storing block
+  // is known then.
   constexpr bool kResidualAhead = ADD && !SPLIT && !PERSIST;
-  float residual = 0.0f;
-  // Bias and store of a tile's sums; GLU: silu(gate) * up of its 8 activations, gate row r and up
+  float residual[RT] = {};
+  // Bias and store of a row tile's sums; GLU: silu(gate) * up of its 8 activations, gate row r and up
   // row r + 8 meeting in `red` (every thread of the block calls it then).
-  auto finish = [&](int tile_n0, bool owner, float sum) {
+  auto finish = [&](auto rt_c, int tile_n0, bool owner, float sum) {
+    [[maybe_unused]] constexpr int rt = decltype(rt_c)::value;
     if (owner && has_bias) sum += bias[tile_n0 + row];
     if constexpr (GLU) {
       __syncthreads();  // block_sum's reads of `red` are done
       if (owner) red[0][row][tok] = sum;
       __syncthreads();
       const int r = tid & 7, k = tid >> 3;
-      if (tid < 8 * 8 * NT && k < M) {
+      if (tid < 8 * 8 * NT && k < M && tile_n0 < N) {  // RT = 2: a last block tile may have one row tile
         const float gate = bf16_round(red[0][r][k]), up = bf16_round(red[0][r + 8][k]);
         store_out(out + int64_t(k) * ldo + tile_n0 / 2 + r, silu(gate) * up);
       }
     } else if (owner) {
       OutT* o = out + int64_t(tok) * ldo + tile_n0 + row;
-      if constexpr (ADD) sum = (kResidualAhead ? residual : to_float(*o)) + out_round<OutT>(sum);
+      if constexpr (ADD) sum = (kResidualAhead ? residual[rt] : to_float(*o)) + out_round<OutT>(sum);
       store_out(o, sum);
+    }
+  };
+  // The first row tile of a two-row-tile block tile, summed and stored.
+  auto finish_leading = [&](int tile_n0) {
+    if constexpr (RT == 2) {
+      bool owner;
+      const float sum = block_sum(First{}, tile_n0, owner);
+      finish(First{}, tile_n0, owner, sum);
+      __syncthreads();  // `red` is read before the next row tile writes it
     }
   };
 
   clear_acc();
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) issue(s);
-  if (tid < 16 && pf_bytes > 0 && n0 + tid < N)
+  if (tid < BR && pf_bytes > 0 && n0 + tid < N)
     prefetch_l2(w + int64_t(n0 + tid) * ldw + c_lo * 32 + skinny_prologue_k<WARPS, U, S>(), pf_bytes);
   // x one stage ahead (see the top of the file): stage st + 1's loads go out before stage st's
   // products.
@@ -297,7 +335,11 @@ __global__ void __launch_bounds__(WARPS * 32)
   load_x(0);
   if constexpr (kResidualAhead) {
     if (tid < kTileElems && n0 + row < N && tok < M && int(blockIdx.x) % CS == 0)
-      residual = to_float(out[int64_t(tok) * ldo + n0 + row]);
+      residual[0] = to_float(out[int64_t(tok) * ldo + n0 + row]);
+    if constexpr (RT == 2) {
+      if (tid < kTileElems && n0 + 16 + row < N && tok < M)
+        residual[1] = to_float(out[int64_t(tok) * ldo + n0 + 16 + row]);
+    }
   }
   for (int st = 0; st < stages; ++st) {
     uint4 xv[U][NT];  // this stage's x
@@ -308,24 +350,30 @@ __global__ void __launch_bounds__(WARPS * 32)
     load_x(st + 1);
     cp_async_wait<S - 2>();  // stage `st` has landed
     issue(st + S - 1);       // refills the slot read in the previous iteration
-    const uint4* slot = wring + (st % S) * U * 2 * NTH + tid;
+    const uint4* slot = wring + (st % S) * U * R * NTH + tid;
     const int it = PERSIST ? st % iters : st;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const uint4 wa = slot[(2 * u) * NTH], wb = slot[(2 * u + 1) * NTH];
 #pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        mma_16816(acc[j], wa.x, wb.x, wa.y, wb.y, xv[u][j].x, xv[u][j].y);  // k = 8t + {0,1 | 2,3}
-        mma_16816(acc[j], wa.z, wb.z, wa.w, wb.w, xv[u][j].z, xv[u][j].w);  // k = 8t + {4,5 | 6,7}
-        if constexpr (NORM) sq[j] = add_squares(xv[u][j], sq[j]);
+      for (int rt = 0; rt < RT; ++rt) {
+        const uint4 wa = slot[(R * u + 2 * rt) * NTH], wb = slot[(R * u + 2 * rt + 1) * NTH];
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          mma_16816(acc[rt][j], wa.x, wb.x, wa.y, wb.y, xv[u][j].x, xv[u][j].y);  // k = 8t + {0,1 | 2,3}
+          mma_16816(acc[rt][j], wa.z, wb.z, wa.w, wb.w, xv[u][j].z, xv[u][j].w);  // k = 8t + {4,5 | 6,7}
+          if constexpr (NORM) {
+            if (rt == RT - 1) sq[j] = add_squares(xv[u][j], sq[j]);  // once per x piece
+          }
+        }
       }
     }
     if constexpr (PERSIST) {
       if (it == iters - 1 && st + 1 < stages) {  // a tile done, another to come: store it meanwhile
-        const int tile_n0 = (int(blockIdx.x) + st / iters * int(gridDim.x)) * 16;
+        const int tile_n0 = (int(blockIdx.x) + st / iters * int(gridDim.x)) * BR;
+        finish_leading(tile_n0);
         bool owner;
-        const float sum = block_sum(tile_n0, owner);
-        finish(tile_n0, owner, sum);
+        const float sum = block_sum(Last{}, tile_n0 + 16 * (RT - 1), owner);
+        finish(Last{}, tile_n0 + 16 * (RT - 1), owner, sum);
         __syncthreads();  // `red` is read before the next tile writes it
         clear_acc();
       }
@@ -333,12 +381,14 @@ __global__ void __launch_bounds__(WARPS * 32)
   }
   cp_async_wait<0>();
 
-  // The last (or only) tile.
-  const int last_n0 = PERSIST ? (int(blockIdx.x) + (my_tiles - 1) * int(gridDim.x)) * 16 : n0;
+  // The last (or only) block tile: its leading row tiles, then the last, which split-K completes.
+  const int tile_n0 = PERSIST ? (int(blockIdx.x) + (my_tiles - 1) * int(gridDim.x)) * BR : n0;
+  finish_leading(tile_n0);
+  const int last_n0 = tile_n0 + 16 * (RT - 1);
   bool owner;
-  float sum = block_sum(last_n0, owner);
+  float sum = block_sum(Last{}, last_n0, owner);
   if constexpr (CS > 1) {
-    float* parts = reinterpret_cast<float*>(wring + S * U * 2 * NTH);  // block 0's: [CS - 1][kTileElems]
+    float* parts = reinterpret_cast<float*>(wring + S * U * R * NTH);  // block 0's: [CS - 1][kTileElems]
     const int split = int(blockIdx.x) % CS;
     cluster_wait();  // every block of the cluster has started
     if (split != 0 && tid < kTileElems) store_cluster_shared(parts + (split - 1) * kTileElems + tid, 0, sum);
@@ -370,7 +420,7 @@ __global__ void __launch_bounds__(WARPS * 32)
       sum = total;
     }
   }
-  finish(last_n0, owner, sum);
+  finish(Last{}, last_n0, owner, sum);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -434,17 +484,19 @@ struct SkinnyPlan {
   int cs = 1;            // blocks of a cluster sharing one row tile's K; 1: none
   bool wide = false;     // 16 warps per block instead of 8
   bool persist = false;  // persistent blocks
+  int rt = 1;            // row tiles per block tile (2: OCRIA_RT_SKINNY_ROWS=32, without split-K)
 };
 
-// skinny_gemm_kernel's template parameters other than the epilogue (Epi) and the output type. Ring sizes: 64 KiB
-// (8 warps, 4 stages: 3 blocks per SM) and 96 KiB (16 warps, 3 stages: 2 blocks per SM); 192 resp.
-// 128 bytes in flight per thread.
-template <int WARPS_, int NT_, bool SPLIT_, int CS_, bool PERSIST_> struct SkinnyCfg {
-  static constexpr int WARPS = WARPS_, NT = NT_, U = 2, S = WARPS_ == 16 ? 3 : 4, CS = CS_;
+// skinny_gemm_kernel's template parameters other than the epilogue (Epi) and the output type. Ring
+// sizes: 64 KiB (8 warps, 4 stages: 3 blocks per SM) and 96 KiB (16 warps, 3 stages: 2 blocks per SM);
+// 192 resp. 128 bytes in flight per thread. A stage holds two chunks of 2 rows (RT = 1) or one chunk
+// of 4 rows (RT = 2).
+template <int WARPS_, int NT_, bool SPLIT_, int CS_, bool PERSIST_, int RT_ = 1> struct SkinnyCfg {
+  static constexpr int WARPS = WARPS_, NT = NT_, RT = RT_, U = 2 / RT_, S = WARPS_ == 16 ? 3 : 4, CS = CS_;
   static constexpr bool SPLIT = SPLIT_, PERSIST = PERSIST_;
-  static constexpr int smem = skinny_smem_bytes<WARPS, NT, U, S, CS>();
+  static constexpr int smem = skinny_smem_bytes<WARPS, NT, U, S, CS, RT>();
   template <class Epi, class OutT> static constexpr auto kernel() {
-    return skinny_gemm_kernel<WARPS, NT, U, S, Epi::GLU, Epi::ADD, Epi::NORM, SPLIT, CS, PERSIST, OutT>;
+    return skinny_gemm_kernel<WARPS, NT, U, S, Epi::GLU, Epi::ADD, Epi::NORM, SPLIT, CS, PERSIST, RT, OutT>;
   }
 };
 
@@ -465,10 +517,17 @@ template <class Epi, class F> void visit_skinny(const SkinnyPlan& p, int M, F&& 
   auto by_m = [&](auto warps, auto split, auto cs, auto persist) {
     constexpr int W = decltype(warps)::value, C = decltype(cs)::value;
     constexpr bool SP = decltype(split)::value, PE = decltype(persist)::value;
+    auto by_rt = [&](auto nt) {
+      constexpr int T = decltype(nt)::value;
+      if constexpr (!SP && C == 1) {
+        if (p.rt == 2) return f(SkinnyCfg<W, T, SP, C, PE, 2>{});
+      }
+      f(SkinnyCfg<W, T, SP, C, PE>{});
+    };
     if (M <= 8)
-      f(SkinnyCfg<W, 1, SP, C, PE>{});
+      by_rt(std::integral_constant<int, 1>{});
     else
-      f(SkinnyCfg<W, 2, SP, C, PE>{});
+      by_rt(std::integral_constant<int, 2>{});
   };
   using std::false_type, std::true_type;
   using Eight = std::integral_constant<int, 8>;
@@ -502,10 +561,10 @@ template <class Cfg, class Epi, class OutT> int skinny_blocks_per_sm() {
   return per_sm;
 }
 
-// The grid of a launch: row tiles times blocks per cluster, by K splits; persistent: as many blocks
-// as fit on the device at once (per_sm each on sm_count SMs), at most one per tile.
+// The grid of a launch: block tiles (16 rt rows) times blocks per cluster, by K splits; persistent: as
+// many blocks as fit on the device at once (per_sm each on sm_count SMs), at most one per block tile.
 dim3 skinny_grid(const SkinnyPlan& p, int N, int per_sm, int sm_count) {
-  const unsigned tiles = unsigned((N + 15) / 16);
+  const unsigned tiles = unsigned((N + 16 * p.rt - 1) / (16 * p.rt));
   const unsigned x = p.persist ? std::min(tiles, unsigned(per_sm * sm_count)) : tiles * unsigned(p.cs);
   return dim3(x, unsigned(p.ksplit));
 }
@@ -573,13 +632,22 @@ bool skinny_persistent(int tiles, int sm_count, int mode) {
 // The launch of an [N, K] weight: split-K over the grid only when asked for; few blocks (N = 2560
 // without split-K: 160 tiles on 132 SMs) cannot keep enough bytes in flight with 8 warps per block,
 // so they get 16 warps, or cluster split-K; persistent blocks for many tiles (no split-K).
-SkinnyPlan skinny_plan(int N, int K, int sm_count, int ksplit_mode, int cluster_mode, int persistent_mode) {
+// Two row tiles per block (x loaded once for 32 rows of W) wherever no K is split, for more than 8
+// tokens and no GLU epilogue: at 16 tokens the LM head streams at 91% of copy bandwidth instead of 71%
+// and attention's qkv at 63% instead of 59%, while gate_up's GLU store falls from 69% to 60% and at
+// one token every shape loses (H200, bench/results, fourteenth session). rows_mode is the backend's
+// OCRIA_RT_SKINNY_ROWS (16 or 32 force it, kSkinnyAuto: this rule); the other choices count 16-row
+// tiles either way.
+SkinnyPlan skinny_plan(int N, int K, int M, bool glu, int sm_count, int ksplit_mode, int cluster_mode,
+                       int persistent_mode, int rows_mode) {
   SkinnyPlan p;
   const int tiles = (N + 15) / 16, nchunks = (K + 31) / 32;
   p.ksplit = skinny_ksplit(tiles, nchunks, ksplit_mode);
   p.wide = int64_t(tiles) * p.ksplit < 4 * sm_count;
   p.cs = skinny_cluster(p.wide, tiles, sm_count, p.ksplit, nchunks, cluster_mode);
   p.persist = p.cs == 1 && p.ksplit == 1 && !p.wide && skinny_persistent(tiles, sm_count, persistent_mode);
+  const bool two_rows = rows_mode == CudaBackend::kSkinnyAuto ? M > 8 && !glu : rows_mode == 32;
+  p.rt = two_rows && p.cs == 1 && p.ksplit == 1 ? 2 : 1;
   return p;
 }
 
@@ -630,8 +698,9 @@ LinearArgs linear_args(const char* op, const Tensor& x, const LinearWeight& lw) 
 // squares) and with persistent blocks as linear's.
 template <class Epi, class OutT>
 void run_skinny(const LinearArgs& a, OutT* out, int64_t ldo, float norm_eps, const SkinnySettings& st) {
-  const SkinnyPlan p = Epi::NORM ? skinny_plan(a.N, a.K, st.sm_count, 1, 0, st.persistent)
-                                 : skinny_plan(a.N, a.K, st.sm_count, st.ksplit, st.cluster, st.persistent);
+  const SkinnyPlan p =
+      Epi::NORM ? skinny_plan(a.N, a.K, a.M, Epi::GLU, st.sm_count, 1, 0, st.persistent, st.rows)
+                : skinny_plan(a.N, a.K, a.M, Epi::GLU, st.sm_count, st.ksplit, st.cluster, st.persistent, st.rows);
   visit_skinny<Epi>(p, a.M, [&](auto cfg) {
     launch_skinny_cfg<decltype(cfg), Epi>(a.x, a.ldx, a.M, a.w, a.ldw, a.N, a.K, a.bias, a.has_bias, out, ldo, p,
                                           splitk_scratch(st.splitk_scratch), norm_eps, st.prefetch_bytes, st.ctx,
