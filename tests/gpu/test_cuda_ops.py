@@ -553,8 +553,9 @@ def test_fused_attention_step(cpu, gpu, hq, hkv, hd, rot, section, ctx, rows):
                                                     (6, 2, 128, 32, 2500, 3000)])
 def test_fused_attention_step_merge_levels(cpu, gpu_with_env, merge_group, hq, hkv, hd, rot, ctx, rows):
     """OCRIA_RT_ATTN_MERGE_GROUP sets where the in-kernel merge takes two levels (1: groups of about
-    sqrt(splits) from three splits on, 3: beyond three, 1024: never; the cases have 4 to ~130 non-empty
-    splits): each within BF16 rounding of the CPU and of the two ops, the same bits on a second launch."""
+    sqrt(splits) from three splits on, 3: beyond three, 1024: never; the cases have 4 to about 100
+    non-empty splits): each within BF16 rounding of the CPU and of the two ops, the same bits on a
+    second launch."""
     rng = np.random.default_rng(hq * hd + ctx + rows)
     args = attention_step_inputs(rng, hq, hkv, hd, rot, ctx, rows, ())
     gpu = gpu_with_env("OCRIA_RT_ATTN_MERGE_GROUP", merge_group)

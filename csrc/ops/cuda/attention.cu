@@ -607,7 +607,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   __shared__ float q_scale[HD], k_scale[HD];  // 1 + the norm weights
   __shared__ float2 rope_cs[HD / 2];          // (cos, sin) of rotation pair f < rot / 2
   __shared__ __align__(16) bf16 q_s[GM][HD];
-  __shared__ __align__(16) bf16 k_new[HD], v_new[HD];
+  __shared__ __align__(16) bf16 k_new[HD];
+  __shared__ __align__(16) bf16 v_new[HD];
   pdl_launch_dependents();
   const int split = blockIdx.x, kvh = blockIdx.y;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
