@@ -508,10 +508,12 @@ SPLIT_ORDER_TOL = 1e-3
 
 
 def attention_step_inputs(rng, hq, hkv, hd, rot, ctx, rows, section):
-    """attention_decode's arguments for one token at cache row ctx - 1 of a random cache of `rows`."""
+    """attention_decode's arguments for one token at cache row ctx - 1 of a random cache of `rows`;
+    that row is NaN until the op writes it, so attending over its old contents shows."""
     qkv = randn(rng, 1, (2 * hq + 2 * hkv) * hd)
     qn, kn = randn(rng, hd, scale=0.1), randn(rng, hd, scale=0.1)
     kc, vc = randn(rng, rows, hkv, hd), randn(rng, rows, hkv, hd)
+    kc[ctx - 1] = vc[ctx - 1] = np.nan
     pos = np.array([ctx - 1], dtype=np.int32)
     rope_pos = np.repeat(pos[:, None], 3, 1) if not section else rng.integers(0, 5000, (1, 3)).astype(np.int32)
     return (qkv, qn, kn, pos, rope_pos, kc, vc, hq, hkv, hd, rot, 1e7, 1e-6, list(section))
@@ -578,18 +580,19 @@ STEP_REPLAY_CASES = [
 @pytest.mark.parametrize("hq,hkv,hd,rot,section,start,rows,steps,advance", STEP_REPLAY_CASES)
 def test_fused_attention_step_replay(cpu, gpu, hq, hkv, hd, rot, section, start, rows, steps, advance):
     """The decode step captured in a CUDA graph and replayed while the positions grow on the device,
-    as the engine's decode step does: each replay writes its cache row and attends over the grown
-    context with the capture's split count, and its in-kernel merge finds its counters at zero (a
-    count left over would leave the poisoned output unwritten, or merge too early)."""
+    as the engine's decode step does: each replay writes its (NaN until then) cache row and attends
+    over the grown context with the capture's split count, and its in-kernel merge finds its counters
+    at zero (a count left over would leave the poisoned output unwritten, or merge too early)."""
     rng = np.random.default_rng(hq * hd + start + rows + steps)
     args = attention_step_inputs(rng, hq, hkv, hd, rot, start + 1, rows, section)
     k_cache, v_cache = args[5], args[6]
+    written = start + advance * np.arange(steps)
+    k_cache[written] = v_cache[written] = np.nan  # each step's row until that step writes it
     got, gk, gv = gpu.attention_decode_steps(*args, steps, advance)
     want, ck, cv = cpu.attention_decode_steps(*args, steps, advance)
     assert got.shape == (steps, 1, hq * hd)
     for i in range(steps):
         assert relerr(got[i], want[i]) <= OUT_TOL, f"step {i}"
-    written = start + advance * np.arange(steps)
     assert relerr(gk[written], ck[written]) <= OUT_TOL
     np.testing.assert_array_equal(gv[written], cv[written])
     rest = np.setdiff1d(np.arange(rows), written)
