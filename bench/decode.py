@@ -126,7 +126,7 @@ def label_groups(rows: list[dict], c: dict, context: int) -> None:
             if hits:
                 r["work"] = " / ".join(l["name"] for l in hits)
                 r["bytes_per_step"] = float(sum(2 * l["N"] * l["K"] * l["count"] for l in hits))
-        elif name.startswith("attention_kernel"):
+        elif name.startswith(("attention_kernel", "attention_decode_kernel")):
             r["work"], r["bytes_per_step"] = "attention (KV cache)", need["kv_cache"]
         elif name.startswith("gdn_decode_kernel"):
             r["work"], r["bytes_per_step"] = "DeltaNet (state in and out)", need["gdn_state"]

@@ -13,7 +13,9 @@
 - Gated DeltaNet recurrence per layer at T = 1 and 16, against the time to read and write the fp32
   state once; GDN prefill (the chunked kernels) at T = 1k / 4k / 8k beside the token-serial
   recurrence and flash-linear-attention's chunk_gated_delta_rule (when fla and torch import);
-- attention decode at 1k / 8k / 32k context (and verify T = 16 at 8k), against reading the KV cache once;
+- attention decode at 1k / 8k / 32k context (and verify T = 16 at 8k), against reading the KV cache once,
+  and the whole step (attention_decode: q / k norms, RoPE, cache write, attention; for T = 1 one
+  kernel) beside attention_prepare + attention;
 - attention prefill (causal, T = 1k / 4k / 8k tokens from an empty cache): TFLOP/s against torch's
   scaled_dot_product_attention (flash backend, K / V repeated over the GQA group) on the same shapes;
 - sampling over the 248320-entry vocabulary.
@@ -321,16 +323,21 @@ def main() -> None:
     rows = []
     for T, ctx in [(1, c) for c in ATTN_CONTEXTS] + [(16, 8192)]:
         kv_bytes = 2 * ctx * HKV * HD * 2
-        us = med(kb.attention(T, ctx, HQ, HKV, HD, iters=iters_for(kv_bytes / bw, lo=10), reps=args.reps))
+        iters = iters_for(kv_bytes / bw, lo=10)
+        us = med(kb.attention(T, ctx, HQ, HKV, HD, iters=iters, reps=args.reps))
         got = kv_bytes / (us * 1e-6)
         r = {"T": T, "context": ctx, "us": round(us, 2), "KV TB/s": round(got / 1e12, 3), "of copy BW": f"{got / bw:.0%}"}
+        # the whole step (norms, RoPE, cache write, attention): for T = 1 one kernel, against the two ops
+        r["step us"] = round(med(kb.attention_decode(T, ctx, HQ, HKV, HD, fused=True, iters=iters, reps=args.reps)), 2)
+        r["prepare + attention us"] = round(
+            med(kb.attention_decode(T, ctx, HQ, HKV, HD, fused=False, iters=iters, reps=args.reps)), 2)
         rows.append(r)
         results["attention"].append({**r, "kv_bytes": kv_bytes})
         summary.append({"kernel": "attention", "case": f"T={T} ctx={ctx} Hq={HQ} Hkv={HKV} hd={HD}",
                         "time": f"{us:.1f} us", "achieved": f"{got / 1e12:.2f} TB/s", "reference": "KV read once",
                         "ratio": f"{got / bw:.0%}"})
     print("\n## Attention (one layer)\n")
-    print(markdown_table(rows, ["T", "context", "us", "KV TB/s", "of copy BW"]))
+    print(markdown_table(rows, ["T", "context", "us", "KV TB/s", "of copy BW", "step us", "prepare + attention us"]))
 
     # ---- attention prefill: T tokens from an empty cache (causal), flash kernel vs torch SDPA ----
     if not args.skip_prefill:

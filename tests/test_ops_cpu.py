@@ -104,6 +104,30 @@ def test_attention(cpu, hq, hkv, hd, rot, T, start, section):
     assert relerr(out, ref.attention(q, kc, vc, qkv, pos, hq, hkv, hd)) <= TOL
 
 
+@pytest.mark.parametrize("hq,hkv,hd,rot,T,start", [(4, 2, 32, 8, 1, 0), (4, 2, 32, 8, 1, 9), (6, 3, 64, 16, 5, 3)])
+def test_attention_decode(cpu, hq, hkv, hd, rot, T, start):
+    """The one op the model calls is attention_prepare, then attention: q, the caches and out exactly;
+    attention_decode_steps runs it with the positions advancing, each step writing its cache row."""
+    rng = np.random.default_rng(hq * hd + T + start)
+    ctx = start + 3 * T + 4
+    qkv = randn(rng, T, (2 * hq + 2 * hkv) * hd)
+    qn, kn = randn(rng, hd, scale=0.1), randn(rng, hd, scale=0.1)
+    k_cache, v_cache = randn(rng, ctx, hkv, hd), randn(rng, ctx, hkv, hd)
+    pos = np.arange(start, start + T, dtype=np.int32)
+    rope_pos = np.repeat(pos[:, None], 3, 1)
+    common = (hq, hkv, hd, rot, 1e6, 1e-6)
+    q, kc, vc, out = cpu.attention_decode(qkv, qn, kn, pos, rope_pos, k_cache, v_cache, *common)
+    wq, wk, wv = cpu.attention_prepare(qkv, qn, kn, pos, rope_pos, k_cache, v_cache, *common)
+    for got, want in ((q, wq), (kc, wk), (vc, wv), (out, cpu.attention(wq, wk, wv, qkv, pos, hq, hkv, hd))):
+        np.testing.assert_array_equal(got, want)
+    outs, kc, vc = cpu.attention_decode_steps(qkv, qn, kn, pos, rope_pos, k_cache, v_cache, *common, [], 2, T)
+    np.testing.assert_array_equal(outs[0], out)
+    _, wk, wv, want = cpu.attention_decode(qkv, qn, kn, pos + T, rope_pos + T, wk, wv, *common)
+    np.testing.assert_array_equal(outs[1], want)
+    np.testing.assert_array_equal(kc, wk)
+    np.testing.assert_array_equal(vc, wv)
+
+
 @pytest.mark.parametrize("T,C", [(1, 48), (6, 160), (70, 33)])
 def test_gdn_conv(cpu, T, C):
     rng = np.random.default_rng(T + C)

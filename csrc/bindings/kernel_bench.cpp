@@ -125,6 +125,47 @@ class KernelBench {
     return time([&](int i) { be_->attention(q, kc[i % copies], vc[i % copies], qkv, pos, p, out); }, iters, reps);
   }
 
+  // Microseconds per call of attention_decode for T new tokens at the end of a context of `context`
+  // rows (q / k norms, RoPE, the cache rows' write, attention): the backend's own (for T = 1 the CUDA
+  // one-kernel step) or, fused = false, the base class's attention_prepare + attention.
+  std::vector<double> attention_decode(int64_t T, int64_t context, int64_t hq, int64_t hkv, int64_t hd, bool fused,
+                                       int iters, int reps) {
+    Scope scope(this);
+    AttentionParams p;
+    p.num_q_heads = hq;
+    p.num_kv_heads = hkv;
+    p.head_dim = hd;
+    p.rotary_dim = hd / 4;
+    p.rope_theta = 1e7f;
+    p.norm_eps = 1e-6f;
+    p.scale = float(1.0 / std::sqrt(double(hd)));
+    const DType act = be_->activation_dtype();
+    const int64_t copies = copies_for(2 * context * hkv * hd * dtype_size(act));
+    std::vector<Tensor> kc(copies), vc(copies);
+    for (int64_t c = 0; c < copies; ++c) {
+      kc[c] = random({context, hkv, hd}, act, 1.0f);
+      vc[c] = random({context, hkv, hd}, act, 1.0f);
+    }
+    Tensor qkv = random({T, (2 * hq + 2 * hkv) * hd}, act, 1.0f);
+    Tensor q_norm = random({hd}, DType::F32, 0.1f), k_norm = random({hd}, DType::F32, 0.1f);
+    Tensor q = alloc({T, hq, hd}, act), out = alloc({T, hq * hd}, act);
+    Tensor pos = alloc({T}, DType::I32), rope_pos = alloc({T, 3}, DType::I32);
+    std::vector<int32_t> positions(T), rope_positions(3 * T);
+    for (int64_t t = 0; t < T; ++t) {
+      positions[t] = int32_t(context - T + t);
+      for (int a = 0; a < 3; ++a) rope_positions[3 * t + a] = positions[t];
+    }
+    be_->copy_from_host(pos, positions.data(), DType::I32);
+    be_->copy_from_host(rope_pos, rope_positions.data(), DType::I32);
+    return time(
+        [&](int i) {
+          const Tensor &k = kc[i % copies], &v = vc[i % copies];
+          if (fused) be_->attention_decode(qkv, q_norm, k_norm, pos, rope_pos, p, q, k, v, out);
+          else be_->Backend::attention_decode(qkv, q_norm, k_norm, pos, rope_pos, p, q, k, v, out);
+        },
+        iters, reps);
+  }
+
   // Microseconds per call of sample over R rows of V fp32 logits.
   std::vector<double> sample(int64_t R, int64_t V, float temperature, int32_t top_k, float top_p, int iters, int reps) {
     Scope scope(this);
@@ -250,6 +291,8 @@ void register_kernel_bench(py::module_& m) {
            py::arg("dv"), py::arg("fused") = true, py::arg("iters") = 50, py::arg("reps") = 10)
       .def("attention", &KernelBench::attention, py::arg("T"), py::arg("context"), py::arg("hq"), py::arg("hkv"),
            py::arg("hd"), py::arg("iters") = 50, py::arg("reps") = 10)
+      .def("attention_decode", &KernelBench::attention_decode, py::arg("T"), py::arg("context"), py::arg("hq"),
+           py::arg("hkv"), py::arg("hd"), py::arg("fused") = true, py::arg("iters") = 50, py::arg("reps") = 10)
       .def("sample", &KernelBench::sample, py::arg("R"), py::arg("V"), py::arg("temperature"), py::arg("top_k"),
            py::arg("top_p"), py::arg("iters") = 20, py::arg("reps") = 10)
       .def("copy", &KernelBench::copy, py::arg("rows"), py::arg("cols"), py::arg("iters") = 20, py::arg("reps") = 10);

@@ -275,6 +275,64 @@ void register_op_runner(py::module_& m) {
            },
            py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("qkv"), py::arg("positions"), py::arg("hq"),
            py::arg("hkv"), py::arg("hd"), py::arg("steps"), py::arg("advance"))
+      .def("attention_decode",
+           [](OpRunner& r, F32Array qkv, F32Array q_norm, F32Array k_norm, I32Array positions, I32Array rope_positions,
+              F32Array k_cache, F32Array v_cache, int64_t hq, int64_t hkv, int64_t hd, int64_t rot, float theta, float eps,
+              std::vector<int32_t> mrope_section, bool fused) {
+             // attention_prepare + attention as the one op the model calls; fused = false runs the base
+             // class's two ops instead of a backend's own attention_decode. Returns (q, k_cache, v_cache,
+             // out): q comes back NaN where the backend did not write it.
+             AttentionParams p = attn_params(hq, hkv, hd, rot, theta, eps, mrope_section);
+             const py::ssize_t T = qkv.shape(0);
+             Tensor q = r.poisoned({T, hq, hd}, r.act()), out = r.poisoned({T, hq * hd}, r.act());
+             Tensor kc = r.upload(k_cache, r.act()), vc = r.upload(v_cache, r.act());
+             Tensor x = r.upload(qkv, r.act()), qn = r.upload(q_norm, DType::F32), kn = r.upload(k_norm, DType::F32);
+             Tensor pos = r.upload_i32(positions), rpos = r.upload_i32(rope_positions);
+             if (fused) r.be().attention_decode(x, qn, kn, pos, rpos, p, q, kc, vc, out);
+             else r.be().Backend::attention_decode(x, qn, kn, pos, rpos, p, q, kc, vc, out);
+             return py::make_tuple(r.download(q), r.download(kc), r.download(vc), r.download(out));
+           },
+           py::arg("qkv"), py::arg("q_norm"), py::arg("k_norm"), py::arg("positions"), py::arg("rope_positions"),
+           py::arg("k_cache"), py::arg("v_cache"), py::arg("hq"), py::arg("hkv"), py::arg("hd"), py::arg("rot"),
+           py::arg("theta"), py::arg("eps"), py::arg("mrope_section") = std::vector<int32_t>{}, py::arg("fused") = true)
+      .def("attention_decode_steps",
+           [](OpRunner& r, F32Array qkv, F32Array q_norm, F32Array k_norm, I32Array positions, I32Array rope_positions,
+              F32Array k_cache, F32Array v_cache, int64_t hq, int64_t hkv, int64_t hd, int64_t rot, float theta, float eps,
+              std::vector<int32_t> mrope_section, int64_t steps, int32_t advance) {
+             // `steps` runs of attention_decode on the same tensors, the positions and rope positions
+             // advancing by `advance` (on the device) after each, as in a decode step: where the backend has
+             // graphs, the op and the increments are captured once and the graph is replayed. Each run
+             // writes its cache row. Returns (out [steps, T, hq * hd], k_cache, v_cache).
+             AttentionParams p = attn_params(hq, hkv, hd, rot, theta, eps, mrope_section);
+             const py::ssize_t T = qkv.shape(0);
+             Tensor q = r.poisoned({T, hq, hd}, r.act()), out = r.poisoned({T, hq * hd}, r.act());
+             Tensor kc = r.upload(k_cache, r.act()), vc = r.upload(v_cache, r.act());
+             Tensor x = r.upload(qkv, r.act()), qn = r.upload(q_norm, DType::F32), kn = r.upload(k_norm, DType::F32);
+             Tensor pos = r.upload_i32(positions), rpos = r.upload_i32(rope_positions);
+             auto step = [&] {
+               r.be().attention_decode(x, qn, kn, pos, rpos, p, q, kc, vc, out);
+               r.be().increment(pos, advance);
+               r.be().increment(rpos, advance);
+             };
+             const bool graph = r.be().supports_graphs();
+             if (graph) {
+               r.be().begin_capture();
+               step();
+               r.be().end_capture();
+             }
+             py::array_t<float> result({py::ssize_t(steps), T, py::ssize_t(hq * hd)});
+             const std::vector<float> nan(size_t(T * hq * hd), NAN);
+             for (int64_t i = 0; i < steps; ++i) {
+               r.be().copy_from_host(out, nan.data(), DType::F32);
+               if (graph) r.be().replay();
+               else step();
+               r.be().copy_to_host(result.mutable_data(i), out);
+             }
+             return py::make_tuple(result, r.download(kc), r.download(vc));
+           },
+           py::arg("qkv"), py::arg("q_norm"), py::arg("k_norm"), py::arg("positions"), py::arg("rope_positions"),
+           py::arg("k_cache"), py::arg("v_cache"), py::arg("hq"), py::arg("hkv"), py::arg("hd"), py::arg("rot"),
+           py::arg("theta"), py::arg("eps"), py::arg("mrope_section"), py::arg("steps"), py::arg("advance"))
       .def("gdn_conv", [](OpRunner& r, F32Array x, F32Array w, F32Array state) {
         Tensor st = r.upload(state, DType::F32), out = r.poisoned({x.shape(0), x.shape(1)}, r.act());
         r.be().gdn_conv(r.upload(x, r.act()), r.upload(w, DType::F32), st, out);

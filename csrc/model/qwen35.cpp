@@ -147,8 +147,8 @@ void Qwen35Model::forward_embedded(int64_t T, const Tensor& positions, const Ten
       Tensor qkv = proj.cols(0, L.attn.qkv.out_features());
       Tensor q = ws.q.rows(0, T), attn_out = mixed.cols(0, hq);
       be_.rms_norm_linear(x, eps, L.attn.qkv, normed, qkv);
-      be_.attention_prepare(qkv, L.attn.q_norm, L.attn.k_norm, positions, rope_positions, attn_, q, S.k_cache, S.v_cache);
-      be_.attention(q, S.k_cache, S.v_cache, qkv, positions, attn_, attn_out);
+      be_.attention_decode(qkv, L.attn.q_norm, L.attn.k_norm, positions, rope_positions, attn_, q, S.k_cache,
+                           S.v_cache, attn_out);
       be_.linear_add(attn_out, L.attn.o, delta, x);
     } else {
       const int64_t C = gdn_.conv_dim(), vdim = gdn_.num_v_heads * gdn_.v_head_dim, HV = gdn_.num_v_heads;

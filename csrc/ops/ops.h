@@ -182,6 +182,19 @@ class Backend {
   virtual void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& qkv,
                          const Tensor& positions, const AttentionParams& p, const Tensor& out) = 0;
 
+  // Gated attention, steps 1 and 2 as one op (the model calls it for every T):
+  //   attention_prepare(..., q, k_cache, v_cache);  attention(q, k_cache, v_cache, qkv, positions, p, out).
+  // q [T, Hq, hd] (activation dtype) is scratch for backends that run the two ops, as this default does.
+  // The CUDA backend runs a decode step (T = 1) as one kernel: the same cache rows, an out within BF16
+  // rounding of the two ops' (the same bits while the context fits in 32 rows, one split of attention),
+  // and q left untouched.
+  virtual void attention_decode(const Tensor& qkv, const Tensor& q_norm, const Tensor& k_norm,
+                                const Tensor& positions, const Tensor& rope_positions, const AttentionParams& p,
+                                const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& out) {
+    attention_prepare(qkv, q_norm, k_norm, positions, rope_positions, p, q, k_cache, v_cache);
+    attention(q, k_cache, v_cache, qkv, positions, p, out);
+  }
+
   // Gated DeltaNet, step 1: causal depthwise conv (width K, no bias) + SiLU over the conv_dim channels
   // of x [T, C]. conv_state [C, K-1] (F32) holds the previous K-1 inputs and is updated to the last
   // K-1 inputs. out [T, C].

@@ -131,6 +131,34 @@ def test_unfused_gdn_gives_identical_results(monkeypatch):
     assert runs["0"][2] - runs["1"][2] == 2 * gdn_layers
 
 
+def test_unfused_attention_gives_close_results(monkeypatch):
+    """attention_decode runs a decode step's attention as one kernel, and with OCRIA_RT_ATTN_FUSED=0
+    (read when the engine's backend is constructed) as attention_prepare + attention. The eager
+    token-by-token logits are the same bits while the context fits one 32-row split, and as close to
+    the CPU's as the two ops' beyond (the kernel merges the splits in its own order); the decode graph
+    gives the eager engine's tokens, and each attention layer's decode step has two kernels fewer
+    (attention_prepare_kernel and the combine)."""
+    d = FIXTURES / "text_tied"
+    prompt = list(load_reference("text_tied")["greedy_prompt"])
+    text = json.loads((d / "config.json").read_text())
+    attention_layers = sum(t == "full_attention" for t in text.get("text_config", text)["layer_types"])
+    cpu = ocria_rt.Engine(d)
+    seq = prompt + cpu.generate(prompt, max_new_tokens=64, stop_token_ids=[]).token_ids
+    want = cpu.score(seq)
+    runs = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv("OCRIA_RT_ATTN_FUSED", fused)
+        graph = ocria_rt.Engine(d, device="cuda", cuda_graphs=True)
+        eager = ocria_rt.Engine(d, device="cuda", cuda_graphs=False)
+        tokens = graph.generate(prompt, max_new_tokens=64, stop_token_ids=[]).token_ids
+        assert tokens == eager.generate(prompt, max_new_tokens=64, stop_token_ids=[]).token_ids, f"fused={fused}"
+        runs[fused] = (eager.score(seq, chunk=1), graph.stats()["kernels_per_decode_step"])
+    np.testing.assert_array_equal(runs["1"][0][:32], runs["0"][0][:32])
+    errs = {f: np.mean([relerr(got[t], want[t]) for t in range(len(seq))]) for f, (got, _) in runs.items()}
+    assert np.isfinite(errs["1"]) and errs["1"] <= 1.25 * errs["0"] + 5e-3, errs
+    assert runs["0"][1] - runs["1"][1] == 2 * attention_layers
+
+
 def test_cluster_splitk_engine(monkeypatch):
     """Cluster split-K in every decode-path linear (OCRIA_RT_SKINNY_CLUSTER=2; the fixture's K of 64-128
     gives every block 1-2 chunks): captured in the decode graph it gives the eager engine's tokens, and

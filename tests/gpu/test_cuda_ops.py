@@ -537,6 +537,125 @@ def test_attention_decode_replay(cpu, gpu, hq, hkv, hd, T, start, rows, steps, a
         assert relerr(got[i], want) <= OUT_TOL, f"step {i}"
 
 
+# ---- attention_decode: a decode step's attention (T = 1) as one kernel ----
+
+# hq, hkv, hd, rot, M-RoPE section: the 4B's shape (with distinct (t, h, w) rope positions too), GQA
+# groups 1 .. 8 including odd ones (3, 5, 7: fewer heads than the kernel's group size), head_dim 32 .. 256,
+# full rotation.
+STEP_SHAPES = [
+    (16, 4, 256, 64, ()),
+    (16, 4, 256, 64, (11, 11, 10)),
+    (8, 1, 256, 64, ()),
+    (8, 8, 128, 32, ()),
+    (6, 2, 128, 32, ()),
+    (10, 2, 128, 128, ()),
+    (4, 2, 64, 16, ()),
+    (14, 2, 64, 64, (2, 1, 1)),
+    (4, 4, 32, 8, ()),
+    (12, 2, 32, 32, ()),
+]
+# Context rows (the new row is the last) and cache rows: one row, a context inside one 32-row split of
+# a cache of one split and of many splits, two splits, and 1000 / 5000 rows (tens of splits: the two
+# levels of the in-kernel merge).
+STEP_CONTEXTS = [(1, 2048), (31, 32), (31, 2048), (33, 2048), (1000, 2048), (5000, 5007)]
+# The fused kernel merges the splits in its own order (attention_prepare + attention: the combine
+# kernel's), so beyond one split the outputs differ by fp32 rounding, at most an ulp of BF16 here and there.
+SPLIT_ORDER_TOL = 1e-3
+
+
+def attention_step_inputs(rng, hq, hkv, hd, rot, ctx, rows, section):
+    """attention_decode's arguments for one token at cache row ctx - 1 of a random cache of `rows`;
+    that row is NaN until the op writes it, so attending over its old contents shows."""
+    qkv = randn(rng, 1, (2 * hq + 2 * hkv) * hd)
+    qn, kn = randn(rng, hd, scale=0.1), randn(rng, hd, scale=0.1)
+    kc, vc = randn(rng, rows, hkv, hd), randn(rng, rows, hkv, hd)
+    kc[ctx - 1] = vc[ctx - 1] = np.nan
+    pos = np.array([ctx - 1], dtype=np.int32)
+    rope_pos = np.repeat(pos[:, None], 3, 1) if not section else rng.integers(0, 5000, (1, 3)).astype(np.int32)
+    return (qkv, qn, kn, pos, rope_pos, kc, vc, hq, hkv, hd, rot, 1e7, 1e-6, list(section))
+
+
+@pytest.mark.parametrize("ctx,rows", STEP_CONTEXTS)
+@pytest.mark.parametrize("hq,hkv,hd,rot,section", STEP_SHAPES)
+def test_fused_attention_step(cpu, gpu, hq, hkv, hd, rot, section, ctx, rows):
+    """The one-kernel decode step against the CPU's attention_prepare + attention (cache and out) and
+    against the same GPU's two ops: the cache bits always, the output bits where the context fits one
+    split, else within SPLIT_ORDER_TOL. q never goes through memory (q comes back NaN), the other cache
+    rows are untouched, and a second launch gives the same bits (the merge does not depend on which
+    block finishes last, and the counters are back at zero)."""
+    rng = np.random.default_rng(hq * hd + rot + ctx + rows + len(section))
+    args = attention_step_inputs(rng, hq, hkv, hd, rot, ctx, rows, section)
+    pos, k_cache, v_cache = args[3], args[5], args[6]
+    gq, gk, gv, gout = gpu.attention_decode(*args)
+    _, bk, bv, bout = gpu.attention_decode(*args, fused=False)
+    _, ck, cv, cout = cpu.attention_decode(*args)
+    assert np.isnan(gq).all()
+    np.testing.assert_array_equal(gk, bk)
+    np.testing.assert_array_equal(gv, bv)
+    assert relerr(gk[pos], ck[pos]) <= OUT_TOL
+    np.testing.assert_array_equal(gv[pos], cv[pos])
+    rest = np.arange(rows) != pos[0]
+    np.testing.assert_array_equal(gk[rest], k_cache[rest])
+    np.testing.assert_array_equal(gv[rest], v_cache[rest])
+    assert relerr(gout, cout) <= OUT_TOL
+    if ctx <= 32:
+        np.testing.assert_array_equal(gout, bout)
+    else:
+        assert relerr(gout, bout) <= SPLIT_ORDER_TOL
+    np.testing.assert_array_equal(gpu.attention_decode(*args)[3], gout)
+
+
+@pytest.mark.parametrize("merge_group", ["1", "3", "1024"])
+@pytest.mark.parametrize("hq,hkv,hd,rot,ctx,rows", [(16, 4, 256, 64, 100, 2048), (16, 4, 256, 64, 1000, 2048),
+                                                    (16, 4, 256, 64, 5000, 5007), (8, 1, 256, 64, 3000, 4096),
+                                                    (6, 2, 128, 32, 2500, 3000)])
+def test_fused_attention_step_merge_levels(cpu, gpu_with_env, merge_group, hq, hkv, hd, rot, ctx, rows):
+    """OCRIA_RT_ATTN_MERGE_GROUP sets where the in-kernel merge takes two levels (1: groups of about
+    sqrt(splits) from three splits on, 3: beyond three, 1024: never; the cases have 4 to about 100
+    non-empty splits): each within BF16 rounding of the CPU and of the two ops, the same bits on a
+    second launch."""
+    rng = np.random.default_rng(hq * hd + ctx + rows)
+    args = attention_step_inputs(rng, hq, hkv, hd, rot, ctx, rows, ())
+    gpu = gpu_with_env("OCRIA_RT_ATTN_MERGE_GROUP", merge_group)
+    out = gpu.attention_decode(*args)[3]
+    assert relerr(out, cpu.attention_decode(*args)[3]) <= OUT_TOL
+    assert relerr(out, gpu.attention_decode(*args, fused=False)[3]) <= SPLIT_ORDER_TOL
+    np.testing.assert_array_equal(gpu.attention_decode(*args)[3], out)
+
+
+STEP_REPLAY_CASES = [
+    # hq, hkv, hd, rot, M-RoPE section, first position, cache rows, steps, positions advance per step
+    (16, 4, 256, 64, (), 0, 8192, 7, 1201),  # 1 row, then 1202, ... 7207 rows
+    (16, 4, 256, 64, (11, 11, 10), 30, 4096, 6, 613),
+    (8, 1, 128, 32, (), 3, 3000, 5, 700),  # group of 8, head_dim 128
+    (10, 2, 64, 64, (), 20, 2000, 6, 333),  # group of 5
+    (4, 4, 32, 8, (), 0, 100, 5, 24),  # a few splits: 1 row up to all four splits non-empty
+]
+
+
+@pytest.mark.parametrize("hq,hkv,hd,rot,section,start,rows,steps,advance", STEP_REPLAY_CASES)
+def test_fused_attention_step_replay(cpu, gpu, hq, hkv, hd, rot, section, start, rows, steps, advance):
+    """The decode step captured in a CUDA graph and replayed while the positions grow on the device,
+    as the engine's decode step does: each replay writes its (NaN until then) cache row and attends
+    over the grown context with the capture's split count, and its in-kernel merge finds its counters
+    at zero (a count left over would leave the poisoned output unwritten, or merge too early)."""
+    rng = np.random.default_rng(hq * hd + start + rows + steps)
+    args = attention_step_inputs(rng, hq, hkv, hd, rot, start + 1, rows, section)
+    k_cache, v_cache = args[5], args[6]
+    written = start + advance * np.arange(steps)
+    k_cache[written] = v_cache[written] = np.nan  # each step's row until that step writes it
+    got, gk, gv = gpu.attention_decode_steps(*args, steps, advance)
+    want, ck, cv = cpu.attention_decode_steps(*args, steps, advance)
+    assert got.shape == (steps, 1, hq * hd)
+    for i in range(steps):
+        assert relerr(got[i], want[i]) <= OUT_TOL, f"step {i}"
+    assert relerr(gk[written], ck[written]) <= OUT_TOL
+    np.testing.assert_array_equal(gv[written], cv[written])
+    rest = np.setdiff1d(np.arange(rows), written)
+    np.testing.assert_array_equal(gk[rest], k_cache[rest])
+    np.testing.assert_array_equal(gv[rest], v_cache[rest])
+
+
 # ---- attention prefill (T > 16): the tensor-core flash kernel ----
 
 FLASH_CASES = [

@@ -1,5 +1,6 @@
-// Gated attention: attention_prepare (q/k RMSNorm + partial RoPE, KV-cache write) and attention
-// (causal softmax attention over the cache, GQA, times sigmoid(gate)); vision_attention.
+// Gated attention: attention_prepare (q/k RMSNorm + partial RoPE, KV-cache write), attention
+// (causal softmax attention over the cache, GQA, times sigmoid(gate)) and attention_decode (the two,
+// for one token as one kernel: attention_decode_kernel, see its section); vision_attention.
 //
 // attention, prefill (T > 16 tokens, head_dim 64 / 128 / 256, 16-byte aligned rows): flash_attention,
 // a tensor-core kernel (see its section below), also used by vision_attention.
@@ -53,6 +54,50 @@ __device__ __forceinline__ int mrope_axis(int j, const MropeSection& m) {
 
 constexpr int kPrepMaxPer = 256 / 32;  // head_dim <= 256: elements per lane
 
+// Pieces of the q_norm / k_norm and RoPE that attention_prepare_kernel and attention_decode_kernel
+// share (the same arithmetic, so the same bits).
+
+// theta^(-2f/rot), the frequency of rotation pair f, formed in fp32 as transformers does (correctly
+// rounded, whatever --use_fast_math does to powf / division).
+__device__ __forceinline__ float rope_inv_freq(int f, int rot, float theta) {
+  return __fdiv_rn(1.0f, float(pow(double(theta), double(__fdiv_rn(float(2 * f), float(rot))))));
+}
+
+// (cos, sin) of the angle p * inv_freq, formed in fp32 as transformers does, cos / sin evaluated in
+// double.
+__device__ __forceinline__ float2 rope_cos_sin(int p, float inv_freq) {
+  const float angle = __fmul_rn(float(p), inv_freq);
+  double s, c;
+  sincos(double(angle), &s, &c);
+  return make_float2(float(c), float(s));
+}
+
+// Zero-centred RMSNorm of the head src[0, hd) by one warp into x (shared memory): x[i] = src[i] *
+// rsqrt(mean(src^2) + eps) * scale(j) for the lane's elements i = lane + 32 j < hd, j < PER (scale(j):
+// 1 + the norm weight of element i).
+template <int PER, class T, class Scale>
+__device__ __forceinline__ void rms_norm_head(const T* src, int hd, float eps, int lane, Scale scale, float* x) {
+  float xv[PER];
+  float ss = 0.0f;
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    const int i = lane + 32 * j;
+    xv[j] = i < hd ? to_float(src[i]) : 0.0f;
+    ss = fmaf(xv[j], xv[j], ss);
+  }
+  const float inv = rsqrtf(warp_sum(ss) / float(hd) + eps);
+#pragma unroll
+  for (int j = 0; j < PER; ++j)
+    if (lane + 32 * j < hd) x[lane + 32 * j] = xv[j] * inv * scale(j);
+  __syncwarp();
+}
+
+// Rotate-half RoPE of element i < rot of the normed head x: pair (f, f + rot/2) turns by the angle
+// whose (cos, sin) is cs.
+__device__ __forceinline__ float rope_rotate(const float* x, int i, int half, float2 cs) {
+  return i < half ? x[i] * cs.x - x[i + half] * cs.y : x[i] * cs.x + x[i - half] * cs.y;
+}
+
 // What does not depend on earlier kernels (the norm weights, the RoPE frequencies and their M-RoPE
 // axes) is formed before pdl_wait(): in decode the weights have long left L2, and pow() in double
 // is slow, so both would otherwise sit on the critical path.
@@ -74,16 +119,14 @@ __global__ void __launch_bounds__(kPrepWarps * 32)
   const ParamView& w = is_q ? q_norm : k_norm;
   const int half = rot / 2;
   // Element i = lane + 32 j: 1 + its norm weight; for i < rot, the frequency of its rotation pair
-  // f = i mod rot/2, theta^(-2f/rot), formed in fp32 as transformers does (correctly rounded,
-  // whatever --use_fast_math does to powf / division), and which rope position it follows.
+  // f = i mod rot/2, and which rope position it follows.
   float w1[kPrepMaxPer], inv_freq[kPrepMaxPer];
   int axis[kPrepMaxPer];
 #pragma unroll
   for (int j = 0; j < kPrepMaxPer; ++j) {
     const int i = lane + 32 * j, f = i < half ? i : i - half;
     w1[j] = i < hd ? 1.0f + w[i] : 0.0f;
-    inv_freq[j] = i < rot ? __fdiv_rn(1.0f, float(pow(double(theta), double(__fdiv_rn(float(2 * f), float(rot))))))
-                          : 0.0f;
+    inv_freq[j] = i < rot ? rope_inv_freq(f, rot, theta) : 0.0f;
     axis[j] = mrope_axis(f, mrope);
   }
   pdl_wait();  // qkv and the positions come from earlier kernels
@@ -91,39 +134,18 @@ __global__ void __launch_bounds__(kPrepWarps * 32)
   const T* src = qkv + int64_t(t) * ldqkv + (is_q ? int64_t(head) * 2 * hd : int64_t(Hq) * 2 * hd + int64_t(head) * hd);
   const int pos = positions[t];                               // cache row
   const int32_t* rpos = rope_positions + int64_t(t) * ldrp;  // (t, h, w) rope positions
-
-  // Zero-centred RMSNorm over the head: x * rsqrt(mean(x^2) + eps) * (1 + w).
-  float xv[kPrepMaxPer];
-  float ss = 0.0f;
-#pragma unroll
-  for (int j = 0; j < kPrepMaxPer; ++j) {
-    const int i = lane + 32 * j;
-    xv[j] = i < hd ? to_float(src[i]) : 0.0f;
-    ss = fmaf(xv[j], xv[j], ss);
-  }
-  const float inv = rsqrtf(warp_sum(ss) / float(hd) + eps);
   float* x = buf[warp];
-#pragma unroll
-  for (int j = 0; j < kPrepMaxPer; ++j)
-    if (lane + 32 * j < hd) x[lane + 32 * j] = xv[j] * inv * w1[j];
-  __syncwarp();
+  rms_norm_head<kPrepMaxPer>(src, hd, eps, lane, [&](int j) { return w1[j]; }, x);
 
-  // Rotate-half RoPE on the first `rot` dims: pair (f, f + rot/2) turns by p * inv_freq[f], with p the
-  // t, h or w rope position of frequency f (interleaved M-RoPE; all equal for text tokens). The angle
-  // is formed in fp32 as transformers does, cos / sin evaluated in double.
+  // RoPE on the first `rot` dims, p the t, h or w rope position of frequency f (interleaved M-RoPE;
+  // all equal for text tokens).
   T* dst = is_q ? q_out + int64_t(t) * ldqo + int64_t(head) * hd : k_cache + int64_t(pos) * ldc + int64_t(head) * hd;
 #pragma unroll
   for (int j = 0; j < kPrepMaxPer; ++j) {
     const int i = lane + 32 * j;
     if (i >= hd) break;
     float y = x[i];
-    if (i < rot) {
-      const float angle = __fmul_rn(float(rpos[axis[j]]), inv_freq[j]);
-      double s, c;
-      sincos(double(angle), &s, &c);
-      const float cf = float(c), sf = float(s);
-      y = i < half ? x[i] * cf - x[i + half] * sf : x[i] * cf + x[i - half] * sf;
-    }
+    if (i < rot) y = rope_rotate(x, i, half, rope_cos_sin(rpos[axis[j]], inv_freq[j]));
     dst[i] = from_float<T>(y);
   }
   if (!is_q) {  // v is stored as is
@@ -138,23 +160,38 @@ __global__ void __launch_bounds__(kPrepWarps * 32)
 // ---------------------------------------------------------------------------------------------
 
 // Rows of a split: chunk = max(ceil(len / nsplit), kMinChunk); splits at or past ceil(len / chunk)
-// are empty. Both kernels derive this from the device-side length.
+// are empty. The kernels derive this from the device-side length.
 __device__ __forceinline__ int split_chunk(int len, int nsplit) { return max((len + nsplit - 1) / nsplit, kMinChunk); }
+// The non-empty splits: those that hold rows.
+__device__ __forceinline__ int split_count(int len, int chunk) { return (len + chunk - 1) / chunk; }
 
 // K/V rows each warp has in one group: 4, or 2 where q and the accumulators already take 128
 // registers per lane (head_dim 256, groups of 5..8), so that two groups fit without spilling.
 template <int E, int GM> constexpr int attn_rows_per_group() { return E * GM >= 64 ? 2 : 4; }
 
+// The cache row attention_decode_kernel writes in the same launch, and this lane's elements of it in
+// shared memory: the loads take row `row` from there (row -1: none in this split).
+struct NewRow {
+  int row = -1;
+  const bf16* k = nullptr;
+  const bf16* v = nullptr;
+};
+
 // Loads K and V rows r0 .. r0 + R - 1 (this lane's E elements); rows past `last` repeat row `last`
-// (valid memory; their scores are masked by the caller).
-template <int E, int R>
+// (valid memory; their scores are masked by the caller). With NEW_ROW, row fresh.row comes from fresh.
+template <int E, int R, bool NEW_ROW>
 __device__ __forceinline__ void load_kv_rows(const bf16* kbase, const bf16* vbase, int64_t ldc, int r0, int last,
-                                             Pack<bf16, E> (&kr)[R], Pack<bf16, E> (&vr)[R]) {
+                                             const NewRow& fresh, Pack<bf16, E> (&kr)[R], Pack<bf16, E> (&vr)[R]) {
 #pragma unroll
   for (int u = 0; u < R; ++u) {
     const int64_t row = min(r0 + u, last);
-    kr[u] = load_pack<bf16, E>(kbase + row * ldc);
-    vr[u] = load_pack<bf16, E>(vbase + row * ldc);
+    if (NEW_ROW && row == fresh.row) {
+      kr[u] = load_pack<bf16, E>(fresh.k);
+      vr[u] = load_pack<bf16, E>(fresh.v);
+    } else {
+      kr[u] = load_pack<bf16, E>(kbase + row * ldc);
+      vr[u] = load_pack<bf16, E>(vbase + row * ldc);
+    }
   }
 }
 
@@ -212,34 +249,18 @@ __device__ __forceinline__ void prefetch_split_rows(const bf16* k_cache, const b
   }
 }
 
-// E: head_dim / 32 elements per lane; GM: the largest GQA group the instantiation handles.
-template <int E, int GM>
-__global__ void __launch_bounds__(kAttnWarps * 32)
-    attention_kernel(const bf16* __restrict__ q, int64_t ldq, const bf16* __restrict__ k_cache,
-                     const bf16* __restrict__ v_cache, int64_t ldc, const bf16* __restrict__ qkv, int64_t ldqkv,
-                     const int32_t* __restrict__ positions, float* __restrict__ part_acc,
-                     float2* __restrict__ part_ml, bf16* __restrict__ out, int64_t ldo, int Hq, int G, int nsplit,
-                     int capacity, float scale_log2) {
-  constexpr int HD = 32 * E, R = attn_rows_per_group<E, GM>();
-  __shared__ float m_s[kAttnWarps][GM], l_s[kAttnWarps][GM];
-  __shared__ float acc_s[kAttnWarps][GM][HD];
-  pdl_launch_dependents();
-  const int split = blockIdx.x, kvh = blockIdx.y, t = blockIdx.z;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  prefetch_split_rows<HD>(k_cache, v_cache, ldc, positions + t, capacity, nsplit, split, kvh);
-  pdl_wait();  // q, the caches and the positions come from earlier kernels
-  const int len = positions[t] + 1;
-  const int chunk = split_chunk(len, nsplit);
-  const int start = split * chunk;
-  if (start >= len) return;  // empty split: the combine kernel does not read it
-  const int end = min(len, start + chunk);
+// The pieces attention_kernel and attention_decode_kernel share. E: head_dim / 32 elements per lane
+// (elements lane * E .. lane * E + E - 1 of a head); GM: the largest GQA group the instantiation handles.
 
-  // q of the group's heads, pre-scaled so that p = exp2(s - m).
-  float qf[GM][E];
+// q of the group's G heads (head g at q_heads + g * 32 E), pre-scaled so that p = exp2(s - m); 0 for
+// g >= G.
+template <int E, int GM>
+__device__ __forceinline__ void load_scaled_q(const bf16* q_heads, int G, int lane, float scale_log2,
+                                              float (&qf)[GM][E]) {
 #pragma unroll
   for (int g = 0; g < GM; ++g) {
     if (g < G) {
-      const Pack<bf16, E> qp = load_pack<bf16, E>(q + int64_t(t) * ldq + int64_t(kvh * G + g) * HD + lane * E);
+      const Pack<bf16, E> qp = load_pack<bf16, E>(q_heads + int64_t(g) * 32 * E + lane * E);
 #pragma unroll
       for (int e = 0; e < E; ++e) qf[g][e] = __bfloat162float(qp.v[e]) * scale_log2;
     } else {
@@ -247,7 +268,16 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
       for (int e = 0; e < E; ++e) qf[g][e] = 0.0f;
     }
   }
-  float m[GM], l[GM], acc[GM][E];
+}
+
+// The online softmax of warp `warp` over its groups of cache rows in [start, end): m, l, acc end as
+// its running max (of the scaled scores, base 2), sum and unnormalised output per head. kbase / vbase:
+// this lane's elements of the kv head in row 0.
+template <int E, int GM, bool NEW_ROW>
+__device__ __forceinline__ void attend_rows(const float (&qf)[GM][E], const bf16* kbase, const bf16* vbase,
+                                            int64_t ldc, int start, int end, int warp, int lane, const NewRow& fresh,
+                                            float (&m)[GM], float (&l)[GM], float (&acc)[GM][E]) {
+  constexpr int R = attn_rows_per_group<E, GM>();
 #pragma unroll
   for (int g = 0; g < GM; ++g) {
     m[g] = -INFINITY;
@@ -258,15 +288,14 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
 
   // Warp w takes the groups of R rows starting at start + R (w + kAttnWarps i). Software pipeline:
   // the loads of a warp's next group are issued before it computes on the current one.
-  const bf16* kbase = k_cache + int64_t(kvh) * HD + lane * E;
-  const bf16* vbase = v_cache + int64_t(kvh) * HD + lane * E;
   constexpr int kStride = kAttnWarps * R;
   int r0 = start + warp * R;
   Pack<bf16, E> kr[R], vr[R];
-  if (r0 < end) load_kv_rows<E, R>(kbase, vbase, ldc, r0, end - 1, kr, vr);
+  if (r0 < end) load_kv_rows<E, R, NEW_ROW>(kbase, vbase, ldc, r0, end - 1, fresh, kr, vr);
   for (; r0 < end; r0 += kStride) {
     Pack<bf16, E> kn[R], vn[R];
-    load_kv_rows<E, R>(kbase, vbase, ldc, r0 + kStride, end - 1, kn, vn);  // past the end: row end - 1, unused
+    // past the end: row end - 1, unused
+    load_kv_rows<E, R, NEW_ROW>(kbase, vbase, ldc, r0 + kStride, end - 1, fresh, kn, vn);
     // Scores: lane partial dot products of the R x GM (row, head) pairs, summed over the warp and
     // broadcast back (every lane then holds the same scores, so branches on them are uniform).
     float dots[R * GM];
@@ -316,31 +345,77 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
       vr[u] = vn[u];
     }
   }
+}
 
-  // Merge the warps: M = max_w m_w, L = sum_w l_w 2^(m_w - M), A = sum_w acc_w 2^(m_w - M). A warp
-  // without rows has m = -inf and weight 0; warp 0 always has row `start`, so M is finite.
+// The warps' (m, l, acc), in shared memory for their merge.
+template <int GM, int HD> struct WarpStates {
+  float m[kAttnWarps][GM], l[kAttnWarps][GM];
+  float acc[kAttnWarps][GM][HD];
+};
+
+template <int E, int GM>
+__device__ __forceinline__ void store_warp_state(WarpStates<GM, 32 * E>& ws, const float (&m)[GM], const float (&l)[GM],
+                                                 const float (&acc)[GM][E], int warp, int lane) {
 #pragma unroll
   for (int g = 0; g < GM; ++g) {
     if (lane == 0) {
-      m_s[warp][g] = m[g];
-      l_s[warp][g] = l[g];
+      ws.m[warp][g] = m[g];
+      ws.l[warp][g] = l[g];
     }
 #pragma unroll
-    for (int e = 0; e < E; ++e) acc_s[warp][g][lane * E + e] = acc[g][e];
+    for (int e = 0; e < E; ++e) ws.acc[warp][g][lane * E + e] = acc[g][e];
   }
+}
+
+// The warps merged for head g, element d: M = max_w m_w, L = sum_w l_w 2^(m_w - M),
+// A = sum_w acc_w 2^(m_w - M). A warp without rows has m = -inf and weight 0; warp 0 always has row
+// `start`, so M is finite.
+template <int GM, int HD>
+__device__ __forceinline__ void merge_warps(const WarpStates<GM, HD>& ws, int g, int d, float& M, float& L, float& A) {
+  M = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < kAttnWarps; ++w) M = fmaxf(M, ws.m[w][g]);
+  L = 0.0f;
+  A = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kAttnWarps; ++w) {
+    const float f = exp2f(ws.m[w][g] - M);
+    L = fmaf(ws.l[w][g], f, L);
+    A = fmaf(ws.acc[w][g][d], f, A);
+  }
+}
+
+template <int E, int GM>
+__global__ void __launch_bounds__(kAttnWarps * 32)
+    attention_kernel(const bf16* __restrict__ q, int64_t ldq, const bf16* __restrict__ k_cache,
+                     const bf16* __restrict__ v_cache, int64_t ldc, const bf16* __restrict__ qkv, int64_t ldqkv,
+                     const int32_t* __restrict__ positions, float* __restrict__ part_acc,
+                     float2* __restrict__ part_ml, bf16* __restrict__ out, int64_t ldo, int Hq, int G, int nsplit,
+                     int capacity, float scale_log2) {
+  constexpr int HD = 32 * E;
+  __shared__ WarpStates<GM, HD> ws;
+  pdl_launch_dependents();
+  const int split = blockIdx.x, kvh = blockIdx.y, t = blockIdx.z;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  prefetch_split_rows<HD>(k_cache, v_cache, ldc, positions + t, capacity, nsplit, split, kvh);
+  pdl_wait();  // q, the caches and the positions come from earlier kernels
+  const int len = positions[t] + 1;
+  const int chunk = split_chunk(len, nsplit);
+  const int start = split * chunk;
+  if (start >= len) return;  // empty split: the combine kernel does not read it
+  const int end = min(len, start + chunk);
+
+  float qf[GM][E];
+  load_scaled_q<E, GM>(q + int64_t(t) * ldq + int64_t(kvh) * G * HD, G, lane, scale_log2, qf);
+  float m[GM], l[GM], acc[GM][E];
+  attend_rows<E, GM, false>(qf, k_cache + int64_t(kvh) * HD + lane * E, v_cache + int64_t(kvh) * HD + lane * E, ldc,
+                            start, end, warp, lane, NewRow{}, m, l, acc);
+  store_warp_state<E, GM>(ws, m, l, acc, warp, lane);
   __syncthreads();
   for (int idx = threadIdx.x; idx < G * HD; idx += blockDim.x) {
     const int g = idx / HD, d = idx % HD, h = kvh * G + g;
-    float M = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kAttnWarps; ++w) M = fmaxf(M, m_s[w][g]);
-    float L = 0.0f, A = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kAttnWarps; ++w) {
-      const float f = exp2f(m_s[w][g] - M);
-      L = fmaf(l_s[w][g], f, L);
-      A = fmaf(acc_s[w][g][d], f, A);
-    }
+    float M, L, A;
+    merge_warps(ws, g, d, M, L, A);
     if (nsplit == 1) {
       const float gate = __bfloat162float(qkv[int64_t(t) * ldqkv + int64_t(h) * 2 * HD + HD + d]);
       out[int64_t(t) * ldo + int64_t(h) * HD + d] = __float2bfloat16_rn(A / L * sigmoid(gate));
@@ -373,7 +448,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   pdl_wait();  // the partial results come from attention_kernel
   const int len = positions[t] + 1;
   const int chunk = split_chunk(len, nsplit);
-  const int active = (len + chunk - 1) / chunk;  // the splits that hold rows
+  const int active = split_count(len, chunk);
   const int d = col0 + threadIdx.x;  // the output column of threads < cols
   const bf16* gate_row = qkv + int64_t(t) * ldqkv + int64_t(h) * 2 * hd + hd;
   const float gate = threadIdx.x < cols ? __bfloat162float(gate_row[d]) : 0.0f;
@@ -418,15 +493,253 @@ __global__ void __launch_bounds__(kCombineThreads)
   }
 }
 
-// Resident blocks per SM of attention_kernel<E, GM> (registers and shared memory decide).
-template <int E, int GM> int attention_blocks_per_sm() {
+// ---------------------------------------------------------------------------------------------
+// attention_decode for one token: attention_prepare, attention_kernel and the combine in one kernel.
+//
+// Block (split, kv head) as attention_kernel's. Before pdl_wait() it forms the q / k norm scales and
+// the RoPE frequencies (as attention_prepare_kernel does) and prefetches its split's rows into L2.
+// After it, the block of every non-empty split normalises and rotates the q heads of its group from
+// the qkv row itself (the bits attention_prepare stores, BF16), so q never goes through memory. The
+// block of the last non-empty split, the one holding the new row pos = positions[0], also forms k and
+// v of its kv head, stores them into cache row pos (the row's only writer) and takes that row from
+// shared memory instead of the cache (no other block reads it: the splits are disjoint).
+// The splits are merged inside the kernel. With one non-empty split its block writes out. Otherwise
+// each block writes its partial state to the workspace and counts itself in on a counter of
+// CudaBackend's attention counters (__threadfence, atomicAdd; the block that completes a count resets
+// the counter for the next launch). Up to CudaBackend::attn_merge_group non-empty splits, the last
+// block merges them all and writes out. Beyond, the last block of each group of about sqrt(splits)
+// consecutive splits merges the group's partials into the group's first slot, and the last of those
+// merges the groups and writes out: the block that finishes last then reads about 2 sqrt(splits)
+// partials instead of all of them, for one more fence and count. Every merge runs in split order, so
+// the result does not depend on which block finishes last.
+// ---------------------------------------------------------------------------------------------
+
+// Splits per first-level group of `active` non-empty splits: min_group (CudaBackend::attn_merge_group:
+// up to that many, one level) or, for more than its square, the smallest size whose square covers them.
+__device__ __forceinline__ int merge_group_size(int active, int min_group) {
+  int size = min_group;
+  while (size * size < active) ++size;
+  return size;
+}
+
+// Counts this block in on `counter` once its writes are visible device-wide. True, in every thread,
+// for the block that completes the count of `expected`: it then sees all the counted blocks' writes,
+// and resets the counter for the next launch. Contains __syncthreads.
+__device__ __forceinline__ bool arrive_last(uint32_t* counter, int expected) {
+  __threadfence();
+  __syncthreads();
+  bool last = false;
+  if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == uint32_t(expected - 1);
+  if (!__syncthreads_or(last)) return false;
+  if (threadIdx.x == 0) *counter = 0;
+  __threadfence();
+  return true;
+}
+
+// Who merges what: thread i takes q head i / TPH of the group and its Q quads of columns
+// 4 (i % TPH + TPH k), k < Q (consecutive quads in consecutive threads). Q is a power of two, so a
+// thread's columns lie in one head.
+template <int GM, int HD> struct MergeLayout {
+  static constexpr int Q = GM * HD > 4 * kAttnWarps * 32 ? GM * HD / (4 * kAttnWarps * 32) : 1;
+  static constexpr int TPH = HD / (4 * Q);  // threads per head
+};
+
+// Merges the partial states of one q head in slots first + stride s, s < count (head_slots: the
+// head's slot 0), in slot order, for the thread's columns: M = max_s m_s, L = sum_s L_s 2^(m_s - M),
+// A = sum_s A_s 2^(m_s - M), as one pass that rescales the sums whenever the max grows. The loads of
+// kBatch slots go out together (through L2: other blocks of this launch wrote the partials): 256
+// bytes of partials per thread, or 4 slots where a thread takes one quad (the small instantiations,
+// whose registers the merge would otherwise set).
+template <int GM, int HD>
+__device__ __forceinline__ void merge_partials(const float* part_acc, const float2* part_ml, int64_t head_slots,
+                                               int first, int stride, int count, int quad0, float& M, float& L,
+                                               float (&A)[MergeLayout<GM, HD>::Q][4]) {
+  using Layout = MergeLayout<GM, HD>;
+  constexpr int Q = Layout::Q, kBatch = Q == 1 ? 4 : 16 / Q;
+  M = -INFINITY;
+  L = 0.0f;
+#pragma unroll
+  for (int k = 0; k < Q; ++k) A[k][0] = A[k][1] = A[k][2] = A[k][3] = 0.0f;
+  for (int s0 = 0; s0 < count; s0 += kBatch) {
+    float2 ml[kBatch];
+    float4 v[kBatch][Q];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      if (s0 + b >= count) break;
+      const int64_t slot = head_slots + first + int64_t(s0 + b) * stride;
+      ml[b] = __ldcg(part_ml + slot);
+#pragma unroll
+      for (int k = 0; k < Q; ++k)
+        v[b][k] = __ldcg(reinterpret_cast<const float4*>(part_acc + slot * HD + 4 * (quad0 + Layout::TPH * k)));
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      if (s0 + b >= count) break;
+      const float m_new = fmaxf(M, ml[b].x);
+      const float keep = exp2f(M - m_new), w = exp2f(ml[b].x - m_new);  // keep = 0 for the first slot
+      M = m_new;
+      L = fmaf(L, keep, ml[b].y * w);
+#pragma unroll
+      for (int k = 0; k < Q; ++k) {
+        A[k][0] = fmaf(A[k][0], keep, v[b][k].x * w);
+        A[k][1] = fmaf(A[k][1], keep, v[b][k].y * w);
+        A[k][2] = fmaf(A[k][2], keep, v[b][k].z * w);
+        A[k][3] = fmaf(A[k][3], keep, v[b][k].w * w);
+      }
+    }
+  }
+}
+
+// k_cache / v_cache are read (every row but pos) and k_store / v_store written (row pos only): the
+// same caches, disjoint elements. counters: Hkv (nsplit + 1) of them, zero between launches.
+template <int E, int GM>
+__global__ void __launch_bounds__(kAttnWarps * 32)
+    attention_decode_kernel(const bf16* __restrict__ qkv, ParamView q_norm, ParamView k_norm,
+                            const int32_t* __restrict__ positions, const int32_t* __restrict__ rope_positions,
+                            MropeSection mrope, const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
+                            bf16* __restrict__ k_store, bf16* __restrict__ v_store, int64_t ldc,
+                            float* __restrict__ part_acc, float2* __restrict__ part_ml,
+                            uint32_t* __restrict__ counters, bf16* __restrict__ out, int Hq, int Hkv, int G, int rot,
+                            float theta, float eps, int nsplit, int min_group, int capacity, float scale_log2) {
+  constexpr int HD = 32 * E;
+  using Layout = MergeLayout<GM, HD>;
+  __shared__ WarpStates<GM, HD> ws;  // before the main loop ws.acc[w][0] is warp w's exchange for the norms
+  __shared__ float q_scale[HD], k_scale[HD];  // 1 + the norm weights
+  __shared__ float2 rope_cs[HD / 2];          // (cos, sin) of rotation pair f < rot / 2
+  __shared__ __align__(16) bf16 q_s[GM][HD];
+  __shared__ __align__(16) bf16 k_new[HD];
+  __shared__ __align__(16) bf16 v_new[HD];
+  pdl_launch_dependents();
+  const int split = blockIdx.x, kvh = blockIdx.y;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int i = threadIdx.x; i < HD; i += blockDim.x) {
+    q_scale[i] = 1.0f + q_norm[i];
+    k_scale[i] = 1.0f + k_norm[i];
+  }
+  const int half = rot / 2, pair = threadIdx.x;  // thread f forms pair f's rotation (rot / 2 <= 128 threads)
+  const float inv_freq = pair < half ? rope_inv_freq(pair, rot, theta) : 0.0f;
+  const int axis = mrope_axis(pair, mrope);
+  prefetch_split_rows<HD>(k_cache, v_cache, ldc, positions, capacity, nsplit, split, kvh);
+  pdl_wait();  // qkv, the caches and the positions come from earlier kernels
+  const int pos = positions[0], len = pos + 1;
+  const int rope_pos = pair < half ? rope_positions[axis] : 0;  // loaded together with pos
+  const int chunk = split_chunk(len, nsplit);
+  const int start = split * chunk;
+  if (start >= len) return;  // empty split: not counted in
+  const int end = min(len, start + chunk), active = split_count(len, chunk);
+  const bool has_new_row = end == len;
+  if (pair < half) rope_cs[pair] = rope_cos_sin(rope_pos, inv_freq);
+  __syncthreads();
+
+  // Warp w forms items w, w + kAttnWarps, ...: the group's q heads 0 .. G-1, then (in the split with
+  // the new row) k and v of the kv head.
+  const bf16* k_src = qkv + int64_t(Hq) * 2 * HD + int64_t(kvh) * HD;
+  const bf16* v_src = k_src + int64_t(Hkv) * HD;
+  float* x = ws.acc[warp][0];
+  for (int item = warp; item < G + int(has_new_row); item += kAttnWarps) {
+    const bool is_q = item < G;
+    const float* scale = is_q ? q_scale : k_scale;
+    rms_norm_head<E>(is_q ? qkv + int64_t(kvh * G + item) * 2 * HD : k_src, HD, eps, lane,
+                     [&](int j) { return scale[lane + 32 * j]; }, x);
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      const int i = lane + 32 * j;
+      const bf16 y = __float2bfloat16_rn(i < rot ? rope_rotate(x, i, half, rope_cs[i < half ? i : i - half]) : x[i]);
+      if (is_q) {
+        q_s[item][i] = y;
+      } else {
+        k_new[i] = y;
+        v_new[i] = v_src[i];
+        k_store[int64_t(pos) * ldc + int64_t(kvh) * HD + i] = y;
+        v_store[int64_t(pos) * ldc + int64_t(kvh) * HD + i] = v_src[i];
+      }
+    }
+    __syncwarp();  // x is rewritten for the warp's next item
+  }
+  __syncthreads();
+
+  float qf[GM][E];
+  load_scaled_q<E, GM>(&q_s[0][0], G, lane, scale_log2, qf);
+  float m[GM], l[GM], acc[GM][E];
+  const NewRow fresh{has_new_row ? pos : -1, k_new + lane * E, v_new + lane * E};
+  attend_rows<E, GM, true>(qf, k_cache + int64_t(kvh) * HD + lane * E, v_cache + int64_t(kvh) * HD + lane * E, ldc,
+                           start, end, warp, lane, fresh, m, l, acc);
+  store_warp_state<E, GM>(ws, m, l, acc, warp, lane);
+  __syncthreads();
+  const bf16* gate = qkv + HD;  // q head h's gate: gate + h * 2 HD
+  for (int idx = threadIdx.x; idx < G * HD; idx += blockDim.x) {
+    const int g = idx / HD, d = idx % HD, h = kvh * G + g;
+    float M, L, A;
+    merge_warps(ws, g, d, M, L, A);
+    if (active == 1) {
+      out[int64_t(h) * HD + d] = __float2bfloat16_rn(A / L * sigmoid(__bfloat162float(gate[int64_t(h) * 2 * HD + d])));
+    } else {
+      const int64_t slot = int64_t(h) * nsplit + split;
+      __stcg(part_acc + slot * HD + d, A);
+      if (d == 0) __stcg(part_ml + slot, make_float2(M, L));
+    }
+  }
+  if (active == 1) return;
+
+  // The merges. This kv head's counters: one per group, then the head's at [nsplit].
+  uint32_t* head_counters = counters + int64_t(kvh) * (nsplit + 1);
+  const int group_size = merge_group_size(active, min_group), groups = split_count(active, group_size);
+  const int first = split / group_size * group_size;
+  if (!arrive_last(head_counters + split / group_size, min(group_size, active - first))) return;
+  const int g = threadIdx.x / Layout::TPH, quad0 = threadIdx.x % Layout::TPH;
+  const bool merges = g < G;
+  const int h = kvh * G + g;
+  const int64_t head_slots = int64_t(h) * nsplit;
+  float M = 0.0f, L = 0.0f, A[Layout::Q][4];
+  if (groups > 1) {  // this group's partials into its first slot
+    if (merges) {
+      merge_partials<GM, HD>(part_acc, part_ml, head_slots, first, 1, min(group_size, active - first), quad0, M, L, A);
+#pragma unroll
+      for (int k = 0; k < Layout::Q; ++k)
+        __stcg(reinterpret_cast<float4*>(part_acc + (head_slots + first) * HD + 4 * (quad0 + Layout::TPH * k)),
+               make_float4(A[k][0], A[k][1], A[k][2], A[k][3]));
+    }
+    __syncthreads();  // every merging thread has read the (m, L) of slot `first`
+    if (merges && quad0 == 0) __stcg(part_ml + head_slots + first, make_float2(M, L));
+    if (!arrive_last(head_counters + nsplit, groups)) return;
+  }
+  if (!merges) return;
+  // The groups' first slots (with one group: the splits), then out = A / L * sigmoid(gate).
+  merge_partials<GM, HD>(part_acc, part_ml, head_slots, 0, groups > 1 ? group_size : 1, groups > 1 ? groups : active,
+                         quad0, M, L, A);
+#pragma unroll
+  for (int k = 0; k < Layout::Q; ++k) {
+    const int d = 4 * (quad0 + Layout::TPH * k);
+    const Pack<bf16, 4> gp = load_pack<bf16, 4>(gate + int64_t(h) * 2 * HD + d);
+    Pack<bf16, 4> o;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) o.v[c] = __float2bfloat16_rn(A[k][c] / L * sigmoid(__bfloat162float(gp.v[c])));
+    store_pack(out + int64_t(h) * HD + d, o);
+  }
+}
+
+// Resident blocks per SM of one of the decode kernels (kAttnWarps warps; registers and shared memory
+// decide).
+template <auto kKernel> int decode_blocks_per_sm() {
   static const int blocks = [] {
     int n = 0;
-    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, attention_kernel<E, GM>, kAttnWarps * 32, 0),
-               "cudaOccupancyMaxActiveBlocksPerMultiprocessor (attention_kernel)");
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, kAttnWarps * 32, 0),
+               "cudaOccupancyMaxActiveBlocksPerMultiprocessor (attention decode kernel)");
     return std::max(n, 1);
   }();
   return blocks;
+}
+
+// Splits of a decode launch: one wave of blocks (blocks_per_sm per SM) over the `pairs` (token, kv
+// head) pairs, bounded by the cache capacity (kMinChunk-row chunks), the combine kernel's weight
+// buffer and the workspace (per_split bytes per split). The lengths are only known on the device: a
+// short context leaves the splits past its end empty.
+int64_t decode_splits(int64_t pairs, int blocks_per_sm, int sm_count, int64_t capacity, int64_t per_split,
+                      size_t workspace_bytes) {
+  const int64_t wave = int64_t(blocks_per_sm) * sm_count;
+  const int64_t n = std::min({wave / pairs, (capacity + kMinChunk - 1) / kMinChunk, int64_t(kMaxSplits),
+                              int64_t(workspace_bytes) / per_split});
+  return std::max<int64_t>(n, 1);
 }
 
 struct DecodeArgs {
@@ -443,17 +756,10 @@ struct DecodeArgs {
 };
 
 template <int E, int GM> void launch_attention_decode(const DecodeArgs& a, const LaunchCtx& ctx) {
-  // Splits, for T <= kMaxSplitTokens: one wave of blocks over the (token, kv head) pairs, bounded by
-  // the cache capacity (kMinChunk-row chunks), the combine kernel's weight buffer and the workspace.
-  // The lengths are only known on the device: a short context leaves the splits past its end empty.
-  int64_t nsplit = 1;
-  if (a.T <= kMaxSplitTokens) {
-    const int64_t pairs = int64_t(a.T) * a.Hkv, wave = int64_t(attention_blocks_per_sm<E, GM>()) * a.sm_count;
-    const int64_t per_split = int64_t(a.T) * a.Hq * (a.hd + 2) * int64_t(sizeof(float));
-    nsplit = std::min({wave / pairs, (a.capacity + kMinChunk - 1) / kMinChunk, int64_t(kMaxSplits),
-                       int64_t(a.workspace_bytes) / per_split});
-    nsplit = std::max<int64_t>(nsplit, 1);
-  }
+  int64_t nsplit = 1;  // T > kMaxSplitTokens: one split per (token, kv head)
+  if (a.T <= kMaxSplitTokens)
+    nsplit = decode_splits(int64_t(a.T) * a.Hkv, decode_blocks_per_sm<attention_kernel<E, GM>>(), a.sm_count,
+                           a.capacity, int64_t(a.T) * a.Hq * (a.hd + 2) * int64_t(sizeof(float)), a.workspace_bytes);
   // Workspace: acc [T, Hq, nsplit, hd] floats, then (m, L) [T, Hq, nsplit] float2.
   float* part_acc = static_cast<float*>(a.workspace);
   float2* part_ml = reinterpret_cast<float2*>(part_acc + int64_t(a.T) * a.Hq * nsplit * a.hd);
@@ -474,6 +780,47 @@ template <int E> void launch_attention_decode_e(const DecodeArgs& a, const Launc
   else if (a.G <= 2) launch_attention_decode<E, 2>(a, ctx);
   else if (a.G <= 4) launch_attention_decode<E, 4>(a, ctx);
   else launch_attention_decode<E, 8>(a, ctx);
+}
+
+struct StepArgs {
+  const bf16* qkv;
+  ParamView q_norm, k_norm;
+  const int32_t *positions, *rope_positions;
+  MropeSection mrope;
+  bf16 *k_cache, *v_cache;
+  int64_t ldc;
+  bf16* out;
+  int Hq, Hkv, G, rot;
+  float theta, eps, scale_log2;
+  int64_t capacity;  // cache rows
+  void* workspace;
+  size_t workspace_bytes;
+  uint32_t* counters;  // CudaBackend::kAttnCounters
+  int min_group;       // CudaBackend::attn_merge_group
+  int sm_count;
+};
+
+// attention_decode_kernel: the splits as attention_kernel's for one token (its own occupancy), within
+// the counters; the workspace as attention_kernel's for T = 1.
+template <int E, int GM> void launch_attention_step(const StepArgs& a, const LaunchCtx& ctx) {
+  constexpr int HD = 32 * E;
+  int64_t nsplit = decode_splits(a.Hkv, decode_blocks_per_sm<attention_decode_kernel<E, GM>>(), a.sm_count, a.capacity,
+                                 int64_t(a.Hq) * (HD + 2) * int64_t(sizeof(float)), a.workspace_bytes);
+  nsplit = std::max<int64_t>(std::min<int64_t>(nsplit, CudaBackend::kAttnCounters / a.Hkv - 1), 1);
+  float* part_acc = static_cast<float*>(a.workspace);
+  float2* part_ml = reinterpret_cast<float2*>(part_acc + int64_t(a.Hq) * nsplit * HD);
+  launch_pdl(ctx, "attention_decode_kernel", attention_decode_kernel<E, GM>, dim3(unsigned(nsplit), unsigned(a.Hkv)),
+             kAttnWarps * 32, 0, a.qkv, a.q_norm, a.k_norm, a.positions, a.rope_positions, a.mrope,
+             static_cast<const bf16*>(a.k_cache), static_cast<const bf16*>(a.v_cache), a.k_cache, a.v_cache, a.ldc,
+             part_acc, part_ml, a.counters, a.out, a.Hq, a.Hkv, a.G, a.rot, a.theta, a.eps, int(nsplit), a.min_group,
+             int(std::min<int64_t>(a.capacity, INT_MAX)), a.scale_log2);
+}
+
+template <int E> void launch_attention_step_e(const StepArgs& a, const LaunchCtx& ctx) {
+  if (a.G <= 1) launch_attention_step<E, 1>(a, ctx);
+  else if (a.G <= 2) launch_attention_step<E, 2>(a, ctx);
+  else if (a.G <= 4) launch_attention_step<E, 4>(a, ctx);
+  else launch_attention_step<E, 8>(a, ctx);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -790,23 +1137,24 @@ bool flash_aligned(std::initializer_list<std::pair<const void*, int64_t>> views)
 }  // namespace
 }  // namespace cuda
 
-void CudaBackend::attention_prepare(const Tensor& qkv, const Tensor& q_norm, const Tensor& k_norm,
-                                    const Tensor& positions, const Tensor& rope_positions, const AttentionParams& p,
-                                    const Tensor& q_out, const Tensor& k_cache, const Tensor& v_cache) {
-  using namespace cuda;
-  const char* op = "attention_prepare";
+namespace cuda {
+namespace {
+
+// The arguments attention_prepare and attention_decode share, checked; returns the norm weights' views.
+std::pair<ParamView, ParamView> check_prepare_args(const char* op, const Tensor& qkv, const Tensor& q_norm,
+                                                   const Tensor& k_norm, const Tensor& positions,
+                                                   const Tensor& rope_positions, const AttentionParams& p,
+                                                   const Tensor& k_cache, const Tensor& v_cache) {
   require_tensor(qkv, DType::BF16, op, "qkv");
-  require_tensor(q_out, DType::BF16, op, "q_out");
   require_tensor(k_cache, DType::BF16, op, "k_cache");
   require_tensor(v_cache, DType::BF16, op, "v_cache");
   require_tensor(positions, DType::I32, op, "positions");
   require_tensor(rope_positions, DType::I32, op, "rope_positions");
-  ParamView qn = param_view(q_norm, op, "q_norm"), kn = param_view(k_norm, op, "k_norm");
+  const ParamView qn = param_view(q_norm, op, "q_norm"), kn = param_view(k_norm, op, "k_norm");
   const int64_t T = qkv.dim(0), Hq = p.num_q_heads, Hkv = p.num_kv_heads, hd = p.head_dim;
   OCRIA_RT_REQUIRE(hd > 0 && hd <= 256, op, "head_dim " + std::to_string(hd) + " unsupported (at most 256)");
   OCRIA_RT_REQUIRE(p.rotary_dim >= 0 && p.rotary_dim <= hd && p.rotary_dim % 2 == 0, op, "bad rotary_dim");
   OCRIA_RT_REQUIRE(qkv.ndim == 2 && qkv.dim(1) == (2 * Hq + 2 * Hkv) * hd, op, "qkv " + qkv.shape_str());
-  OCRIA_RT_REQUIRE(q_out.numel() == T * Hq * hd && q_out.dim(0) == T, op, "q_out " + q_out.shape_str());
   OCRIA_RT_REQUIRE(k_cache.ndim >= 2 && k_cache.row_size() == Hkv * hd && v_cache.row_size() == Hkv * hd &&
               k_cache.row_stride == v_cache.row_stride && k_cache.dim(0) == v_cache.dim(0),
           op, "k_cache " + k_cache.shape_str() + " / v_cache " + v_cache.shape_str() + " vs Hkv * head_dim");
@@ -814,6 +1162,21 @@ void CudaBackend::attention_prepare(const Tensor& qkv, const Tensor& q_norm, con
   OCRIA_RT_REQUIRE(rope_positions.numel() == 3 * T && (rope_positions.ndim == 1 || rope_positions.dim(-1) == 3), op,
           "rope_positions " + rope_positions.shape_str() + ", expected [T, 3]");
   OCRIA_RT_REQUIRE(q_norm.numel() == hd && k_norm.numel() == hd, op, "q_norm / k_norm must have head_dim elements");
+  return {qn, kn};
+}
+
+}  // namespace
+}  // namespace cuda
+
+void CudaBackend::attention_prepare(const Tensor& qkv, const Tensor& q_norm, const Tensor& k_norm,
+                                    const Tensor& positions, const Tensor& rope_positions, const AttentionParams& p,
+                                    const Tensor& q_out, const Tensor& k_cache, const Tensor& v_cache) {
+  using namespace cuda;
+  const char* op = "attention_prepare";
+  const auto [qn, kn] = check_prepare_args(op, qkv, q_norm, k_norm, positions, rope_positions, p, k_cache, v_cache);
+  require_tensor(q_out, DType::BF16, op, "q_out");
+  const int64_t T = qkv.dim(0), Hq = p.num_q_heads, Hkv = p.num_kv_heads, hd = p.head_dim;
+  OCRIA_RT_REQUIRE(q_out.numel() == T * Hq * hd && q_out.dim(0) == T, op, "q_out " + q_out.shape_str());
   if (T == 0) return;
   activate();
   const int64_t items = T * (Hq + Hkv);
@@ -897,6 +1260,59 @@ void CudaBackend::attention(const Tensor& q, const Tensor& k_cache, const Tensor
     case 64: launch_attention_decode_e<2>(a, launch_ctx()); break;
     case 128: launch_attention_decode_e<4>(a, launch_ctx()); break;
     default: launch_attention_decode_e<8>(a, launch_ctx()); break;
+  }
+}
+
+void CudaBackend::attention_decode(const Tensor& qkv, const Tensor& q_norm, const Tensor& k_norm,
+                                   const Tensor& positions, const Tensor& rope_positions, const AttentionParams& p,
+                                   const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& out) {
+  using namespace cuda;
+  const int64_t T = qkv.dim(0), Hq = p.num_q_heads, Hkv = p.num_kv_heads, hd = p.head_dim;
+  // One kernel for one token where attention_kernel's head sizes and groups apply, on BF16 views whose
+  // rows are 16-byte aligned; anything else runs the two ops.
+  const bool fused = attn_fused_ && T == 1 && (hd == 32 || hd == 64 || hd == 128 || hd == 256) && Hkv > 0 &&
+                     Hq % Hkv == 0 && Hq / Hkv <= 8 && qkv.dtype == DType::BF16 && out.dtype == DType::BF16 &&
+                     k_cache.dtype == DType::BF16 && v_cache.dtype == DType::BF16 && aligned16(qkv.data) &&
+                     aligned16(out.data) &&
+                     flash_aligned({{k_cache.data, k_cache.row_stride}, {v_cache.data, v_cache.row_stride}});
+  if (!fused) {
+    Backend::attention_decode(qkv, q_norm, k_norm, positions, rope_positions, p, q, k_cache, v_cache, out);
+    return;
+  }
+  const char* op = "attention_decode";
+  const auto [qn, kn] = check_prepare_args(op, qkv, q_norm, k_norm, positions, rope_positions, p, k_cache, v_cache);
+  require_tensor(out, DType::BF16, op, "out");
+  OCRIA_RT_REQUIRE(out.ndim == 2 && out.dim(0) == T && out.dim(1) == Hq * hd, op, "out " + out.shape_str());
+  activate();
+  StepArgs a;
+  a.qkv = qkv.ptr<const bf16>();
+  a.q_norm = qn;
+  a.k_norm = kn;
+  a.positions = positions.ptr<const int32_t>();
+  a.rope_positions = rope_positions.ptr<const int32_t>();
+  a.mrope = MropeSection{{p.mrope_section[0], p.mrope_section[1], p.mrope_section[2]}};
+  a.k_cache = k_cache.ptr<bf16>();
+  a.v_cache = v_cache.ptr<bf16>();
+  a.ldc = k_cache.row_stride;
+  a.out = out.ptr<bf16>();
+  a.Hq = int(Hq);
+  a.Hkv = int(Hkv);
+  a.G = int(Hq / Hkv);
+  a.rot = int(p.rotary_dim);
+  a.theta = p.rope_theta;
+  a.eps = p.norm_eps;
+  a.scale_log2 = p.scale * 1.4426950408889634f;
+  a.capacity = k_cache.dim(0);
+  a.workspace = workspace_;
+  a.workspace_bytes = workspace_bytes_;
+  a.counters = attn_counters_;
+  a.min_group = std::min(attn_merge_group_, kMaxSplits);
+  a.sm_count = sm_count_;
+  switch (hd) {
+    case 32: launch_attention_step_e<1>(a, launch_ctx()); break;
+    case 64: launch_attention_step_e<2>(a, launch_ctx()); break;
+    case 128: launch_attention_step_e<4>(a, launch_ctx()); break;
+    default: launch_attention_step_e<8>(a, launch_ctx()); break;
   }
 }
 

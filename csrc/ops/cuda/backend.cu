@@ -103,6 +103,10 @@ CudaBackend::CudaBackend(int device_index) : device_(device_index) {
   pdl_ = !(pdl_env && std::strcmp(pdl_env, "0") == 0);
   const char* fused_env = std::getenv("OCRIA_RT_GDN_FUSED");
   gdn_fused_ = !(fused_env && std::strcmp(fused_env, "0") == 0);
+  const char* attn_fused_env = std::getenv("OCRIA_RT_ATTN_FUSED");
+  attn_fused_ = !(attn_fused_env && std::strcmp(attn_fused_env, "0") == 0);
+  const char* merge_env = std::getenv("OCRIA_RT_ATTN_MERGE_GROUP");
+  if (merge_env && *merge_env) attn_merge_group_ = std::max(1, std::atoi(merge_env));
   const char* ksplit_env = std::getenv("OCRIA_RT_SKINNY_KSPLIT");
   skinny_ksplit_ = ksplit_env ? std::max(0, std::atoi(ksplit_env)) : 0;
   const char* cluster_env = std::getenv("OCRIA_RT_SKINNY_CLUSTER");
@@ -140,6 +144,9 @@ CudaBackend::CudaBackend(int device_index) : device_(device_index) {
     reserve_workspace(kDefaultWorkspaceBytes);
     check_cuda(cudaMalloc(&splitk_scratch_, kSplitKBytes), "cudaMalloc (split-K scratch)");
     check_cuda(cudaMemsetAsync(splitk_scratch_, 0, kSplitKCounterBytes, stream_), "cudaMemsetAsync (split-K counters)");
+    const size_t attn_counter_bytes = size_t(kAttnCounters) * sizeof(uint32_t);
+    check_cuda(cudaMalloc(&attn_counters_, attn_counter_bytes), "cudaMalloc (attention counters)");
+    check_cuda(cudaMemsetAsync(attn_counters_, 0, attn_counter_bytes, stream_), "cudaMemsetAsync (attention counters)");
   } catch (...) {
     free_resources();
     throw;
@@ -174,6 +181,8 @@ void CudaBackend::free_resources() noexcept {
   if (workspace_) cudaFree(workspace_);
   if (splitk_scratch_) cudaFree(splitk_scratch_);
   splitk_scratch_ = nullptr;
+  if (attn_counters_) cudaFree(attn_counters_);
+  attn_counters_ = nullptr;
   if (read_slots_host_) cudaFreeHost(read_slots_host_);
   read_slots_host_ = nullptr;
   for (cudaEvent_t& e : read_done_) {

@@ -232,6 +232,15 @@ class CudaBackend final : public Backend {
   // Whether gdn_decode runs its fused kernel where it applies (OCRIA_RT_GDN_FUSED != "0" in the
   // environment when the backend was constructed; "0" runs the three ops, for comparison).
   bool gdn_fused() const { return gdn_fused_; }
+  // Whether attention_decode runs its one-kernel decode step where it applies (OCRIA_RT_ATTN_FUSED !=
+  // "0" in the environment when the backend was constructed; "0" runs attention_prepare + attention).
+  bool attn_fused() const { return attn_fused_; }
+  // The one-kernel decode step merges up to this many non-empty splits of a kv head in one level, more
+  // in two (attention.cu): OCRIA_RT_ATTN_MERGE_GROUP in the environment when the backend was
+  // constructed (at least 1; 1024, the most splits, or more: always one level), for experiments;
+  // unset: kDefaultAttnMergeGroup.
+  int attn_merge_group() const { return attn_merge_group_; }
+  static constexpr int kDefaultAttnMergeGroup = 8;
   // K splits of the skinny GEMM (linear with M <= 16, linear.cu): OCRIA_RT_SKINNY_KSPLIT in the
   // environment when the backend was constructed; unset, 0 or 1: no split-K (the default: it measured
   // slower), n > 1 asks for n splits (capped by K and by the split-K scratch), for experiments.
@@ -250,6 +259,9 @@ class CudaBackend final : public Backend {
   static constexpr int64_t kSplitKSlots = 4096;
   static constexpr size_t kSplitKCounterBytes = size_t(kSplitKSlots / 2) * sizeof(uint32_t);
   static constexpr size_t kSplitKBytes = kSplitKCounterBytes + size_t(kSplitKSlots) * 16 * 16 * sizeof(float);
+  // Counters of attention_decode's one-kernel decode step (attention.cu), apart from the workspace for
+  // the same reason: zero between launches. It uses Hkv * (splits + 1) of them.
+  static constexpr int64_t kAttnCounters = 8192;
   // The value of the skinny GEMM's launch-shape switches (below) when the environment leaves them unset.
   static constexpr int kSkinnyAuto = -1;
 
@@ -286,6 +298,9 @@ class CudaBackend final : public Backend {
                          const Tensor& k_cache, const Tensor& v_cache) override;
   void attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& qkv,
                  const Tensor& positions, const AttentionParams& p, const Tensor& out) override;
+  void attention_decode(const Tensor& qkv, const Tensor& q_norm, const Tensor& k_norm, const Tensor& positions,
+                        const Tensor& rope_positions, const AttentionParams& p, const Tensor& q, const Tensor& k_cache,
+                        const Tensor& v_cache, const Tensor& out) override;
   void gdn_conv(const Tensor& x, const Tensor& conv_weight, const Tensor& conv_state, const Tensor& out) override;
   void gdn_recurrent(const Tensor& qkv, const Tensor& ba, const Tensor& A_log, const Tensor& dt_bias,
                      const Tensor& state, const GdnParams& p, const Tensor& out) override;
@@ -330,6 +345,8 @@ class CudaBackend final : public Backend {
   int sm_count_ = 0;
   bool pdl_ = true;
   bool gdn_fused_ = true;
+  bool attn_fused_ = true;
+  int attn_merge_group_ = kDefaultAttnMergeGroup;
   int skinny_ksplit_ = 0;
   // The skinny GEMM's two launch-shape switches, read from the environment when the backend is
   // constructed; unset or empty: kSkinnyAuto, the measured choice (linear.cu, launch_skinny).
@@ -356,6 +373,9 @@ class CudaBackend final : public Backend {
   // kSplitKBytes: the counters (zeroed once; the last block of a tile resets its counter), then the
   // partial tiles. Only touched after pdl_wait(), like the workspace.
   void* splitk_scratch_ = nullptr;
+  // kAttnCounters counters, zeroed once; the block that uses a counter last resets it. Only touched
+  // after pdl_wait().
+  uint32_t* attn_counters_ = nullptr;
   // Pinned staging for host copies: two halves, so that filling one chunk on the host overlaps
   // the transfer of the previous one. An F32 -> BF16 copy_from_host passes each chunk through the
   // workspace, which therefore holds at least one half.
