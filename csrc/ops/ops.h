@@ -186,8 +186,8 @@ class Backend {
   //   attention_prepare(..., q, k_cache, v_cache);  attention(q, k_cache, v_cache, qkv, positions, p, out).
   // q [T, Hq, hd] (activation dtype) is scratch for backends that run the two ops, as this default does.
   // The CUDA backend runs a decode step (T = 1) as one kernel: the same cache rows, an out within BF16
-  // rounding of the two ops' (the same bits while the context fits in 32 rows, one split of attention),
-  // and q left untouched.
+  // rounding of the two ops' (the new row and the splits are added in another order), and q left
+  // untouched.
   virtual void attention_decode(const Tensor& qkv, const Tensor& q_norm, const Tensor& k_norm,
                                 const Tensor& positions, const Tensor& rope_positions, const AttentionParams& p,
                                 const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& out) {

@@ -134,8 +134,8 @@ def test_unfused_gdn_gives_identical_results(monkeypatch):
 def test_unfused_attention_gives_close_results(monkeypatch):
     """attention_decode runs a decode step's attention as one kernel, and with OCRIA_RT_ATTN_FUSED=0
     (read when the engine's backend is constructed) as attention_prepare + attention. The eager
-    token-by-token logits are the same bits while the context fits one 32-row split, and as close to
-    the CPU's as the two ops' beyond (the kernel merges the splits in its own order); the decode graph
+    token-by-token logits are as close to the CPU's as the two ops' (the kernel adds the new row and
+    merges the splits in its own order, so they differ by rounding); the decode graph
     gives the eager engine's tokens, and each attention layer's decode step has two kernels fewer
     (attention_prepare_kernel and the combine)."""
     d = FIXTURES / "text_tied"
@@ -153,7 +153,6 @@ def test_unfused_attention_gives_close_results(monkeypatch):
         tokens = graph.generate(prompt, max_new_tokens=64, stop_token_ids=[]).token_ids
         assert tokens == eager.generate(prompt, max_new_tokens=64, stop_token_ids=[]).token_ids, f"fused={fused}"
         runs[fused] = (eager.score(seq, chunk=1), graph.stats()["kernels_per_decode_step"])
-    np.testing.assert_array_equal(runs["1"][0][:32], runs["0"][0][:32])
     errs = {f: np.mean([relerr(got[t], want[t]) for t in range(len(seq))]) for f, (got, _) in runs.items()}
     assert np.isfinite(errs["1"]) and errs["1"] <= 1.25 * errs["0"] + 5e-3, errs
     assert runs["0"][1] - runs["1"][1] == 2 * attention_layers

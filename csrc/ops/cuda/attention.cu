@@ -169,29 +169,16 @@ __device__ __forceinline__ int split_count(int len, int chunk) { return (len + c
 // registers per lane (head_dim 256, groups of 5..8), so that two groups fit without spilling.
 template <int E, int GM> constexpr int attn_rows_per_group() { return E * GM >= 64 ? 2 : 4; }
 
-// The cache row attention_decode_kernel writes in the same launch, and this lane's elements of it in
-// shared memory: the loads take row `row` from there (row -1: none in this split).
-struct NewRow {
-  int row = -1;
-  const bf16* k = nullptr;
-  const bf16* v = nullptr;
-};
-
 // Loads K and V rows r0 .. r0 + R - 1 (this lane's E elements); rows past `last` repeat row `last`
-// (valid memory; their scores are masked by the caller). With NEW_ROW, row fresh.row comes from fresh.
-template <int E, int R, bool NEW_ROW>
+// (valid memory; their scores are masked by the caller).
+template <int E, int R>
 __device__ __forceinline__ void load_kv_rows(const bf16* kbase, const bf16* vbase, int64_t ldc, int r0, int last,
-                                             const NewRow& fresh, Pack<bf16, E> (&kr)[R], Pack<bf16, E> (&vr)[R]) {
+                                             Pack<bf16, E> (&kr)[R], Pack<bf16, E> (&vr)[R]) {
 #pragma unroll
   for (int u = 0; u < R; ++u) {
     const int64_t row = min(r0 + u, last);
-    if (NEW_ROW && row == fresh.row) {
-      kr[u] = load_pack<bf16, E>(fresh.k);
-      vr[u] = load_pack<bf16, E>(fresh.v);
-    } else {
-      kr[u] = load_pack<bf16, E>(kbase + row * ldc);
-      vr[u] = load_pack<bf16, E>(vbase + row * ldc);
-    }
+    kr[u] = load_pack<bf16, E>(kbase + row * ldc);
+    vr[u] = load_pack<bf16, E>(vbase + row * ldc);
   }
 }
 
@@ -273,9 +260,9 @@ __device__ __forceinline__ void load_scaled_q(const bf16* q_heads, int G, int la
 // The online softmax of warp `warp` over its groups of cache rows in [start, end): m, l, acc end as
 // its running max (of the scaled scores, base 2), sum and unnormalised output per head. kbase / vbase:
 // this lane's elements of the kv head in row 0.
-template <int E, int GM, bool NEW_ROW>
+template <int E, int GM>
 __device__ __forceinline__ void attend_rows(const float (&qf)[GM][E], const bf16* kbase, const bf16* vbase,
-                                            int64_t ldc, int start, int end, int warp, int lane, const NewRow& fresh,
+                                            int64_t ldc, int start, int end, int warp, int lane,
                                             float (&m)[GM], float (&l)[GM], float (&acc)[GM][E]) {
   constexpr int R = attn_rows_per_group<E, GM>();
 #pragma unroll
@@ -291,11 +278,11 @@ __device__ __forceinline__ void attend_rows(const float (&qf)[GM][E], const bf16
   constexpr int kStride = kAttnWarps * R;
   int r0 = start + warp * R;
   Pack<bf16, E> kr[R], vr[R];
-  if (r0 < end) load_kv_rows<E, R, NEW_ROW>(kbase, vbase, ldc, r0, end - 1, fresh, kr, vr);
+  if (r0 < end) load_kv_rows<E, R>(kbase, vbase, ldc, r0, end - 1, kr, vr);
   for (; r0 < end; r0 += kStride) {
     Pack<bf16, E> kn[R], vn[R];
     // past the end: row end - 1, unused
-    load_kv_rows<E, R, NEW_ROW>(kbase, vbase, ldc, r0 + kStride, end - 1, fresh, kn, vn);
+    load_kv_rows<E, R>(kbase, vbase, ldc, r0 + kStride, end - 1, kn, vn);
     // Scores: lane partial dot products of the R x GM (row, head) pairs, summed over the warp and
     // broadcast back (every lane then holds the same scores, so branches on them are uniform).
     float dots[R * GM];
@@ -344,6 +331,39 @@ __device__ __forceinline__ void attend_rows(const float (&qf)[GM][E], const bf16
       kr[u] = kn[u];
       vr[u] = vn[u];
     }
+  }
+}
+
+// One more row (this lane's elements k, v of it) through a warp's online softmax, as attend_rows
+// takes a group of rows: the row's scores for the GM heads, a rescale where the running max grows
+// (m = -inf: the first row), then l += p, acc += p v.
+template <int E, int GM>
+__device__ __forceinline__ void attend_one_row(const float (&qf)[GM][E], const bf16* k, const bf16* v, int lane,
+                                               float (&m)[GM], float (&l)[GM], float (&acc)[GM][E]) {
+  const Pack<bf16, E> kr = load_pack<bf16, E>(k), vr = load_pack<bf16, E>(v);
+  float dots[GM];
+#pragma unroll
+  for (int g = 0; g < GM; ++g) {
+    float d = 0.0f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) d = fmaf(qf[g][e], __bfloat162float(kr.v[e]), d);
+    dots[g] = d;
+  }
+  const float total = warp_sum_transposed<GM>(dots, lane);
+#pragma unroll
+  for (int g = 0; g < GM; ++g) {
+    const float s = __shfl_sync(0xffffffffu, total, g * (32 / GM));
+    if (s > m[g]) {
+      const float corr = exp2f(m[g] - s);
+      m[g] = s;
+      l[g] *= corr;
+#pragma unroll
+      for (int e = 0; e < E; ++e) acc[g][e] *= corr;
+    }
+    const float p = exp2f(s - m[g]);
+    l[g] += p;
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[g][e] = fmaf(p, __bfloat162float(vr.v[e]), acc[g][e]);
   }
 }
 
@@ -408,8 +428,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   float qf[GM][E];
   load_scaled_q<E, GM>(q + int64_t(t) * ldq + int64_t(kvh) * G * HD, G, lane, scale_log2, qf);
   float m[GM], l[GM], acc[GM][E];
-  attend_rows<E, GM, false>(qf, k_cache + int64_t(kvh) * HD + lane * E, v_cache + int64_t(kvh) * HD + lane * E, ldc,
-                            start, end, warp, lane, NewRow{}, m, l, acc);
+  attend_rows<E, GM>(qf, k_cache + int64_t(kvh) * HD + lane * E, v_cache + int64_t(kvh) * HD + lane * E, ldc,
+                            start, end, warp, lane, m, l, acc);
   store_warp_state<E, GM>(ws, m, l, acc, warp, lane);
   __syncthreads();
   for (int idx = threadIdx.x; idx < G * HD; idx += blockDim.x) {
@@ -661,9 +681,13 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   float qf[GM][E];
   load_scaled_q<E, GM>(&q_s[0][0], G, lane, scale_log2, qf);
   float m[GM], l[GM], acc[GM][E];
-  const NewRow fresh{has_new_row ? pos : -1, k_new + lane * E, v_new + lane * E};
-  attend_rows<E, GM, true>(qf, k_cache + int64_t(kvh) * HD + lane * E, v_cache + int64_t(kvh) * HD + lane * E, ldc,
-                           start, end, warp, lane, fresh, m, l, acc);
+  // The cache rows through the loop attention_kernel runs, then warp 0 adds the new row from shared
+  // memory. (Taking that row from shared memory inside the loop put each row's loads behind a branch:
+  // the next group's 8 loads no longer went out together, and the step took 31 instead of 20 us at 8k
+  // rows, 95 instead of 47 at 32k; H200, bench/results, fourteenth session.)
+  attend_rows<E, GM>(qf, k_cache + int64_t(kvh) * HD + lane * E, v_cache + int64_t(kvh) * HD + lane * E, ldc, start,
+                     has_new_row ? len - 1 : end, warp, lane, m, l, acc);
+  if (has_new_row && warp == 0) attend_one_row<E, GM>(qf, k_new + lane * E, v_new + lane * E, lane, m, l, acc);
   store_warp_state<E, GM>(ws, m, l, acc, warp, lane);
   __syncthreads();
   const bf16* gate = qkv + HD;  // q head h's gate: gate + h * 2 HD
