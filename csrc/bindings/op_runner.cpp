@@ -156,19 +156,16 @@ void register_op_runner(py::module_& m) {
           py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("bias") = py::none(), py::arg("glu") = false)
       .def(
           "linear_add",
-          [](OpRunner& r, F32Array x, F32Array w, F32Array residual, std::optional<F32Array> bias,
-             bool prefetch_ahead) {
+          [](OpRunner& r, F32Array x, F32Array w, F32Array residual, std::optional<F32Array> bias) {
             // residual += x · W^T; returns the residual.
             LinearWeight lw;
             lw.weight = r.upload(w, r.wt());
-            lw.prefetch_ahead = prefetch_ahead;
             if (bias) lw.bias = r.upload(*bias, DType::F32);
             Tensor res = r.upload(residual, r.act());
             r.be().linear_add(r.upload(x, r.act()), lw, r.poisoned({x.shape(0), w.shape(0)}, r.act()), res);
             return r.download(res);
           },
-          py::arg("x"), py::arg("w"), py::arg("residual"), py::arg("bias") = py::none(),
-          py::arg("prefetch_ahead") = false)
+          py::arg("x"), py::arg("w"), py::arg("residual"), py::arg("bias") = py::none())
       .def("block_chain", [](OpRunner& r, F32Array residual, F32Array w_gate_up, F32Array w_down, int layers,
                              float eps) {
         // `layers` MLP residual blocks, residual += down(silu(gate) * up of rms_norm(residual, unit)),

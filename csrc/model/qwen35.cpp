@@ -47,7 +47,6 @@ Qwen35Model::Qwen35Model(const ModelConfig& config, const Checkpoint& ck, Backen
                              {a + "v_proj.weight", {Hkv * hd, H}}});
       be_.fold_norm_weight(L.attn.qkv.weight, input_norm);
       L.attn.o = w.linear({{a + "o_proj.weight", {H, Hq * hd}}});
-      L.attn.o.prefetch_ahead = true;  // attention streams only the KV cache
       L.attn.q_norm = w.load(a + "q_norm.weight", {hd}, f32);
       L.attn.k_norm = w.load(a + "k_norm.weight", {hd}, f32);
     } else {
@@ -58,7 +57,6 @@ Qwen35Model::Qwen35Model(const ModelConfig& config, const Checkpoint& ck, Backen
                                 {g + "in_proj_a.weight", {HV, H}}});
       be_.fold_norm_weight(L.gdn.in_proj.weight, input_norm);
       L.gdn.out = w.linear({{g + "out_proj.weight", {H, HV * dv}}});
-      L.gdn.out.prefetch_ahead = true;  // the recurrence streams only its 2 MB state
       // conv1d.weight is [C, 1, K] in the checkpoint.
       const TensorRecord& cw = ck.require(base + g + "conv1d.weight", {C, 1, K});
       L.gdn.conv_weight = arena.alloc(f32, {C, K});

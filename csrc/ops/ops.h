@@ -33,9 +33,6 @@ struct LinearWeight {
   Format format = Format::kDense;
   Tensor weight;  // [N (out), K (in)], the backend's weight dtype
   Tensor bias;    // optional [N]
-  // The op before this linear in decode streams few bytes (the DeltaNet recurrence, attention): a
-  // backend may pull the weight into L2 while that op runs, before this linear's input is ready.
-  bool prefetch_ahead = false;
 
   int64_t out_features() const { return weight.dim(0); }
   int64_t in_features() const { return weight.dim(1); }

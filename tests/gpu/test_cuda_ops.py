@@ -324,23 +324,6 @@ def test_linear_add(cpu, gpu_with_env, M, K, N, env, with_bias):
     np.testing.assert_array_equal(got, bf16(res + gpu.linear(x, w, bias)))
 
 
-@pytest.mark.parametrize("cluster", ["", "0"])
-@pytest.mark.parametrize("M,K,N", [(1, 4096, 2560), (16, 4096, 2560), (3, 2048, 1024), (1, 1000, 999)])
-def test_linear_add_prefetch_ahead(cpu, monkeypatch, M, K, N, cluster):
-    """A linear marked LinearWeight::prefetch_ahead (o_proj, out_proj) with an L2 budget for such
-    linears (OCRIA_RT_L2_PREFETCH_AHEAD_MB): a hint, so the same bits as without it, with cluster
-    split-K (the default for N = 2560) and without (16-warp blocks, whose K range leaves the most to
-    prefetch)."""
-    monkeypatch.setenv("OCRIA_RT_SKINNY_CLUSTER", cluster)
-    rng = np.random.default_rng(M * 7919 + K * 31 + N + 7)
-    x, w, res = randn(rng, M, K), randn(rng, N, K, scale=K**-0.5), randn(rng, M, N, scale=4)
-    monkeypatch.setenv("OCRIA_RT_L2_PREFETCH_AHEAD_MB", "64")
-    got = _core.OpRunner("cuda").linear_add(x, w, res, prefetch_ahead=True)
-    assert relerr(got, cpu.linear_add(x, w, res, prefetch_ahead=True)) <= OUT_TOL
-    monkeypatch.setenv("OCRIA_RT_L2_PREFETCH_AHEAD_MB", "0")
-    np.testing.assert_array_equal(got, _core.OpRunner("cuda").linear_add(x, w, res, prefetch_ahead=True))
-
-
 # ---- block tiles of two row tiles (OCRIA_RT_SKINNY_ROWS=32): the same sums as 16-row blocks ----
 
 # M, K, N: one and two token tiles; OCRIA-1's in_proj and gate_up (persistent blocks), N = 2560 and

@@ -117,8 +117,6 @@ CudaBackend::CudaBackend(int device_index) : device_(device_index) {
   if (rows_env && (std::strcmp(rows_env, "16") == 0 || std::strcmp(rows_env, "32") == 0)) skinny_rows_ = std::atoi(rows_env);
   const char* prefetch_env = std::getenv("OCRIA_RT_L2_PREFETCH_MB");
   if (prefetch_env && *prefetch_env) skinny_prefetch_bytes_ = int64_t(std::max(0, std::atoi(prefetch_env))) << 20;
-  const char* ahead_env = std::getenv("OCRIA_RT_L2_PREFETCH_AHEAD_MB");
-  if (ahead_env && *ahead_env) skinny_prefetch_ahead_bytes_ = int64_t(std::max(0, std::atoi(ahead_env))) << 20;
   int count = 0;
   check_cuda(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
   if (device_index < 0 || device_index >= count)

@@ -662,7 +662,6 @@ struct LinearArgs {
   ParamView bias{};
   bool has_bias = false;
   bool skinny = false;
-  bool prefetch_ahead = false;  // LinearWeight::prefetch_ahead
 };
 
 LinearArgs linear_args(const char* op, const Tensor& x, const LinearWeight& lw) {
@@ -683,7 +682,6 @@ LinearArgs linear_args(const char* op, const Tensor& x, const LinearWeight& lw) 
   a.M = int(x.dim(0));
   a.N = int(w.dim(0));
   a.K = int(w.dim(1));
-  a.prefetch_ahead = lw.prefetch_ahead;
   a.has_bias = lw.bias.defined();
   if (a.has_bias) {
     a.bias = param_view(lw.bias, op, "bias");
@@ -704,9 +702,8 @@ void run_skinny(const LinearArgs& a, OutT* out, int64_t ldo, float norm_eps, con
       Epi::NORM ? skinny_plan(a.N, a.K, a.M, Epi::GLU, st.sm_count, 1, 0, st.persistent, st.rows)
                 : skinny_plan(a.N, a.K, a.M, Epi::GLU, st.sm_count, st.ksplit, st.cluster, st.persistent, st.rows);
   visit_skinny<Epi>(p, a.M, [&](auto cfg) {
-    const int64_t prefetch = std::max(st.prefetch_bytes, a.prefetch_ahead ? st.prefetch_ahead_bytes : 0);
     launch_skinny_cfg<decltype(cfg), Epi>(a.x, a.ldx, a.M, a.w, a.ldw, a.N, a.K, a.bias, a.has_bias, out, ldo, p,
-                                          splitk_scratch(st.splitk_scratch), norm_eps, prefetch, st.ctx,
+                                          splitk_scratch(st.splitk_scratch), norm_eps, st.prefetch_bytes, st.ctx,
                                           st.sm_count);
   });
 }
