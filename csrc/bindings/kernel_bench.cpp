@@ -102,21 +102,11 @@ class KernelBench {
   // Microseconds per call of attention for T new tokens at the end of a context of `context` rows.
   std::vector<double> attention(int64_t T, int64_t context, int64_t hq, int64_t hkv, int64_t hd, int iters, int reps) {
     Scope scope(this);
-    AttentionParams p;
-    p.num_q_heads = hq;
-    p.num_kv_heads = hkv;
-    p.head_dim = hd;
-    p.rotary_dim = hd / 4;
-    p.rope_theta = 1e7f;
-    p.norm_eps = 1e-6f;
-    p.scale = float(1.0 / std::sqrt(double(hd)));
+    const AttentionParams p = bench_attention_params(hq, hkv, hd);
     const DType act = be_->activation_dtype();
-    const int64_t copies = copies_for(2 * context * hkv * hd * dtype_size(act));
-    std::vector<Tensor> kc(copies), vc(copies);
-    for (int64_t c = 0; c < copies; ++c) {
-      kc[c] = random({context, hkv, hd}, act, 1.0f);
-      vc[c] = random({context, hkv, hd}, act, 1.0f);
-    }
+    std::vector<Tensor> kc, vc;
+    random_caches(context, hkv, hd, kc, vc);
+    const int64_t copies = int64_t(kc.size());
     Tensor q = random({T, hq, hd}, act, 1.0f), qkv = random({T, (2 * hq + 2 * hkv) * hd}, act, 1.0f);
     Tensor out = alloc({T, hq * hd}, act), pos = alloc({T}, DType::I32);
     std::vector<int32_t> positions(T);
@@ -131,21 +121,11 @@ class KernelBench {
   std::vector<double> attention_decode(int64_t T, int64_t context, int64_t hq, int64_t hkv, int64_t hd, bool fused,
                                        int iters, int reps) {
     Scope scope(this);
-    AttentionParams p;
-    p.num_q_heads = hq;
-    p.num_kv_heads = hkv;
-    p.head_dim = hd;
-    p.rotary_dim = hd / 4;
-    p.rope_theta = 1e7f;
-    p.norm_eps = 1e-6f;
-    p.scale = float(1.0 / std::sqrt(double(hd)));
+    const AttentionParams p = bench_attention_params(hq, hkv, hd);
     const DType act = be_->activation_dtype();
-    const int64_t copies = copies_for(2 * context * hkv * hd * dtype_size(act));
-    std::vector<Tensor> kc(copies), vc(copies);
-    for (int64_t c = 0; c < copies; ++c) {
-      kc[c] = random({context, hkv, hd}, act, 1.0f);
-      vc[c] = random({context, hkv, hd}, act, 1.0f);
-    }
+    std::vector<Tensor> kc, vc;
+    random_caches(context, hkv, hd, kc, vc);
+    const int64_t copies = int64_t(kc.size());
     Tensor qkv = random({T, (2 * hq + 2 * hkv) * hd}, act, 1.0f);
     Tensor q_norm = random({hd}, DType::F32, 0.1f), k_norm = random({hd}, DType::F32, 0.1f);
     Tensor q = alloc({T, hq, hd}, act), out = alloc({T, hq * hd}, act);
@@ -198,6 +178,29 @@ class KernelBench {
   };
 
   static int64_t copies_for(int64_t bytes) { return std::max<int64_t>(1, (kStreamBytes + bytes - 1) / bytes); }
+
+  // The attention benchmarks' shape: partial RoPE on a quarter of each head, rope_theta 1e7 (OCRia-1's).
+  static AttentionParams bench_attention_params(int64_t hq, int64_t hkv, int64_t hd) {
+    AttentionParams p;
+    p.num_q_heads = hq;
+    p.num_kv_heads = hkv;
+    p.head_dim = hd;
+    p.rotary_dim = hd / 4;
+    p.rope_theta = 1e7f;
+    p.norm_eps = 1e-6f;
+    p.scale = float(1.0 / std::sqrt(double(hd)));
+    return p;
+  }
+
+  // Random K / V caches of `context` rows, as many copies as keep the timed loop out of L2.
+  void random_caches(int64_t context, int64_t hkv, int64_t hd, std::vector<Tensor>& kc, std::vector<Tensor>& vc) {
+    const DType act = be_->activation_dtype();
+    const int64_t copies = copies_for(2 * context * hkv * hd * dtype_size(act));
+    for (int64_t c = 0; c < copies; ++c) {
+      kc.push_back(random({context, hkv, hd}, act, 1.0f));
+      vc.push_back(random({context, hkv, hd}, act, 1.0f));
+    }
+  }
 
   Tensor alloc(std::initializer_list<int64_t> dims, DType dtype) {
     Tensor t(nullptr, dtype, be_->device(), dims);

@@ -91,6 +91,28 @@ AttentionParams attn_params(int64_t hq, int64_t hkv, int64_t hd, int64_t rot, fl
 }
 GdnParams gdn_params(int64_t hk, int64_t hv, int64_t dk, int64_t dv, float eps) { return {hk, hv, dk, dv, 4, eps}; }
 
+// `steps` runs of `step`, as a decode loop runs them: where the backend has graphs, step is captured once
+// and the graph replayed. `out` is poisoned before each run and read back after it: [steps, *out.shape].
+template <class Step> py::array_t<float> run_steps(OpRunner& r, Step&& step, int64_t steps, const Tensor& out) {
+  const bool graph = r.be().supports_graphs();
+  if (graph) {
+    r.be().begin_capture();
+    step();
+    r.be().end_capture();
+  }
+  std::vector<py::ssize_t> shape{py::ssize_t(steps)};
+  for (int d = 0; d < out.ndim; ++d) shape.push_back(py::ssize_t(out.dim(d)));
+  py::array_t<float> result(shape);
+  const std::vector<float> nan(size_t(out.numel()), NAN);
+  for (int64_t i = 0; i < steps; ++i) {
+    r.be().copy_from_host(out, nan.data(), DType::F32);
+    if (graph) r.be().replay();
+    else step();
+    r.be().copy_to_host(result.mutable_data(i), out);
+  }
+  return result;
+}
+
 }  // namespace
 
 void register_op_runner(py::module_& m) {
@@ -243,9 +265,8 @@ void register_op_runner(py::module_& m) {
       .def("attention_steps",
            [](OpRunner& r, F32Array q, F32Array k_cache, F32Array v_cache, F32Array qkv, I32Array positions, int64_t hq,
               int64_t hkv, int64_t hd, int64_t steps, int32_t advance) {
-             // `steps` runs of one attention op on the same tensors, the positions advancing by `advance`
-             // (on the device) after each, as in a decode step: where the backend has graphs, the op and
-             // the increment are captured once and the graph is replayed. Returns [steps, T, hq * hd].
+             // `steps` runs (run_steps) of one attention op on the same tensors, the positions advancing
+             // by `advance` (on the device) after each, as in a decode step. Returns [steps, T, hq * hd].
              AttentionParams p = attn_params(hq, hkv, hd, hd, 10000.0f, 1e-6f);
              const py::ssize_t T = q.shape(0);
              Tensor qt = r.upload(q, r.act()), kc = r.upload(k_cache, r.act()), vc = r.upload(v_cache, r.act());
@@ -254,21 +275,7 @@ void register_op_runner(py::module_& m) {
                r.be().attention(qt, kc, vc, g, pos, p, out);
                r.be().increment(pos, advance);
              };
-             const bool graph = r.be().supports_graphs();
-             if (graph) {
-               r.be().begin_capture();
-               step();
-               r.be().end_capture();
-             }
-             py::array_t<float> result({py::ssize_t(steps), T, py::ssize_t(hq * hd)});
-             const std::vector<float> nan(size_t(T * hq * hd), NAN);
-             for (int64_t i = 0; i < steps; ++i) {
-               r.be().copy_from_host(out, nan.data(), DType::F32);
-               if (graph) r.be().replay();
-               else step();
-               r.be().copy_to_host(result.mutable_data(i), out);
-             }
-             return result;
+             return run_steps(r, step, steps, out);
            },
            py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("qkv"), py::arg("positions"), py::arg("hq"),
            py::arg("hkv"), py::arg("hd"), py::arg("steps"), py::arg("advance"))
@@ -296,9 +303,8 @@ void register_op_runner(py::module_& m) {
            [](OpRunner& r, F32Array qkv, F32Array q_norm, F32Array k_norm, I32Array positions, I32Array rope_positions,
               F32Array k_cache, F32Array v_cache, int64_t hq, int64_t hkv, int64_t hd, int64_t rot, float theta, float eps,
               std::vector<int32_t> mrope_section, int64_t steps, int32_t advance) {
-             // `steps` runs of attention_decode on the same tensors, the positions and rope positions
-             // advancing by `advance` (on the device) after each, as in a decode step: where the backend has
-             // graphs, the op and the increments are captured once and the graph is replayed. Each run
+             // `steps` runs (run_steps) of attention_decode on the same tensors, the positions and rope
+             // positions advancing by `advance` (on the device) after each, as in a decode step. Each run
              // writes its cache row. Returns (out [steps, T, hq * hd], k_cache, v_cache).
              AttentionParams p = attn_params(hq, hkv, hd, rot, theta, eps, mrope_section);
              const py::ssize_t T = qkv.shape(0);
@@ -311,21 +317,8 @@ void register_op_runner(py::module_& m) {
                r.be().increment(pos, advance);
                r.be().increment(rpos, advance);
              };
-             const bool graph = r.be().supports_graphs();
-             if (graph) {
-               r.be().begin_capture();
-               step();
-               r.be().end_capture();
-             }
-             py::array_t<float> result({py::ssize_t(steps), T, py::ssize_t(hq * hd)});
-             const std::vector<float> nan(size_t(T * hq * hd), NAN);
-             for (int64_t i = 0; i < steps; ++i) {
-               r.be().copy_from_host(out, nan.data(), DType::F32);
-               if (graph) r.be().replay();
-               else step();
-               r.be().copy_to_host(result.mutable_data(i), out);
-             }
-             return py::make_tuple(result, r.download(kc), r.download(vc));
+             py::array_t<float> outs = run_steps(r, step, steps, out);
+             return py::make_tuple(outs, r.download(kc), r.download(vc));
            },
            py::arg("qkv"), py::arg("q_norm"), py::arg("k_norm"), py::arg("positions"), py::arg("rope_positions"),
            py::arg("k_cache"), py::arg("v_cache"), py::arg("hq"), py::arg("hkv"), py::arg("hd"), py::arg("rot"),
