@@ -41,20 +41,24 @@ def engine_linears(c: dict) -> list[dict]:
     """The weight streams of one decode step as the engine fuses them (csrc/model/qwen35.h): name, N
     (outputs), K (inputs), how many per step, and `epi`, what its skinny GEMM does besides the product
     (the template arguments GLU, ADD, NORM): the MLP activation applied as it stores (gate_up), the
-    residual add (the projections that end a residual block), the RMSNorm scale (those that start one)."""
+    residual add (the projections that end a residual block), the RMSNorm scale (those that start one).
+    `after`: how the name of the kernel before it in a decode step starts, which tells apart linears
+    that are one kernel on one grid (the 4B's 2560-output projections: o_proj follows attention,
+    out_proj the DeltaNet kernel, down gate_up's skinny GEMM)."""
     H, I, hd = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     Hq, Hkv = c["num_attention_heads"], c["num_key_value_heads"]
     HK, HV, dk, dv = c["linear_num_key_heads"], c["linear_num_value_heads"], c["linear_key_head_dim"], c["linear_value_head_dim"]
     L = c["num_hidden_layers"]
     n_attn = sum(layer_is_attention(i) for i in range(L))
     norm, add, glu_norm, plain = (False, False, True), (False, True, False), (True, False, True), (False, False, False)
-    return [dict(name="attn qkv", N=Hq * 2 * hd + 2 * Hkv * hd, K=H, count=n_attn, epi=norm),
-            dict(name="attn o", N=H, K=Hq * hd, count=n_attn, epi=add),
-            dict(name="gdn in_proj", N=2 * HK * dk + 2 * HV * dv + 2 * HV, K=H, count=L - n_attn, epi=norm),
-            dict(name="gdn out", N=H, K=HV * dv, count=L - n_attn, epi=add),
-            dict(name="mlp gate_up", N=2 * I, K=H, count=L, epi=glu_norm),
-            dict(name="mlp down", N=H, K=I, count=L, epi=add),
-            dict(name="lm_head", N=c["vocab_size"], K=H, count=1, epi=plain)]
+    gemm = "skinny_gemm_kernel"
+    return [dict(name="attn qkv", N=Hq * 2 * hd + 2 * Hkv * hd, K=H, count=n_attn, epi=norm, after=gemm),
+            dict(name="attn o", N=H, K=Hq * hd, count=n_attn, epi=add, after="attention"),
+            dict(name="gdn in_proj", N=2 * HK * dk + 2 * HV * dv + 2 * HV, K=H, count=L - n_attn, epi=norm, after=gemm),
+            dict(name="gdn out", N=H, K=HV * dv, count=L - n_attn, epi=add, after="gdn_"),
+            dict(name="mlp gate_up", N=2 * I, K=H, count=L, epi=glu_norm, after=gemm),
+            dict(name="mlp down", N=H, K=I, count=L, epi=add, after=gemm),
+            dict(name="lm_head", N=c["vocab_size"], K=H, count=1, epi=plain, after="rms_norm")]
 
 
 def short_kernel_name(name: str) -> str:
@@ -75,23 +79,27 @@ def kernel_time_by_group(events: list[dict]) -> tuple[dict, float]:
     critical path (us). Sorted by start, a kernel's critical-path time is how far its end moves the
     GPU's finished front, end - max(front, start): overlapping kernels (programmatic dependent launch)
     share an interval once, so the groups' critical-path times plus the idle gaps sum to the span from
-    the first kernel's start to the last one's end. Returns ({key: {calls, us, crit_us}}, idle_us)."""
+    the first kernel's start to the last one's end. Each group also has the same three figures by the
+    kernel that started before (its name without template arguments), in `before`. Returns
+    ({key: {calls, us, crit_us, before: {name: {calls, us, crit_us}}}}, idle_us)."""
     ks = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e) for e in events
                 if e.get("ph") == "X" and e.get("cat") == "kernel")
     groups: dict[tuple, dict] = {}
-    front, idle = None, 0.0
+    front, idle, previous = None, 0.0, ""
     for start, end, e in ks:
-        key = (short_kernel_name(e.get("name", "?")), tuple(e.get("args", {}).get("grid", ())))
-        g = groups.setdefault(key, {"calls": 0, "us": 0.0, "crit_us": 0.0})
-        g["calls"] += 1
-        g["us"] += end - start
-        if front is None:
-            g["crit_us"] += end - start
-            front = end
-            continue
-        idle += max(0.0, start - front)
-        g["crit_us"] += max(0.0, end - max(front, start))
-        front = max(front, end)
+        name = short_kernel_name(e.get("name", "?"))
+        g = groups.setdefault((name, tuple(e.get("args", {}).get("grid", ()))),
+                              {"calls": 0, "us": 0.0, "crit_us": 0.0, "before": {}})
+        part = g["before"].setdefault(previous, {"calls": 0, "us": 0.0, "crit_us": 0.0})
+        previous = name.split("<", 1)[0]
+        crit = end - start if front is None else max(0.0, end - max(front, start))
+        if front is not None:
+            idle += max(0.0, start - front)
+        front = end if front is None else max(front, end)
+        for s in (g, part):
+            s["calls"] += 1
+            s["us"] += end - start
+            s["crit_us"] += crit
     return groups, idle
 
 
@@ -132,6 +140,30 @@ def label_groups(rows: list[dict], c: dict, context: int) -> None:
             r["work"], r["bytes_per_step"] = "DeltaNet (state in and out)", need["gdn_state"]
 
 
+def split_by_predecessor(rows: list[dict], c: dict) -> list[dict]:
+    """Rows whose work is several linears (one kernel on one grid) split into a row per linear where
+    the kernel before each call tells them apart (engine_linears' `after`) and each linear's calls
+    all follow one kind of kernel; other rows as they are. A row's `parts` are its figures by
+    predecessor."""
+    linears = {l["name"]: l for l in engine_linears(c)}
+    out = []
+    for r in rows:
+        names = r["work"].split(" / ") if r["work"] else []
+        parts = r.get("parts", {})
+        if len(names) < 2 or not all(n in linears for n in names):
+            out.append(r)
+            continue
+        owner = {p: [n for n in names if p.startswith(linears[n]["after"])] for p in parts}
+        if any(len(o) != 1 for o in owner.values()) or sorted(o[0] for o in owner.values()) != sorted(names):
+            out.append(r)
+            continue
+        for p, (n,) in owner.items():
+            l = linears[n]
+            out.append({**r, **parts[p], "work": n, "after": p, "parts": {},
+                        "bytes_per_step": float(2 * l["N"] * l["K"] * l["count"])})
+    return out
+
+
 def decode_breakdown(eng, prompt: list[int], steps: int, c: dict, bw: float) -> dict:
     """Where a decode step's GPU time goes, kernel group by kernel group (name and grid): a profiled
     generate of 1 + `steps` tokens minus one of 1 token (the prefill alone), divided by `steps`.
@@ -144,16 +176,23 @@ def decode_breakdown(eng, prompt: list[int], steps: int, c: dict, bw: float) -> 
         events = profiled_trace_events(lambda: box.update(r=eng.generate(prompt, max_new_tokens=n, stop_token_ids=[])))
         per_run.append((*kernel_time_by_group(events), box["r"]))
     (base, base_idle, _), (full, full_idle, r) = per_run
+    def per_step(g: dict, b: dict) -> dict:  # the decode steps' share: the full run less the prefill's
+        return {"calls_per_step": (g["calls"] - b["calls"]) / steps, "us_per_step": (g["us"] - b["us"]) / steps,
+                "crit_us_per_step": (g["crit_us"] - b["crit_us"]) / steps}
+
+    none = {"calls": 0, "us": 0.0, "crit_us": 0.0, "before": {}}
     rows = []
     for key, g in full.items():
-        b = base.get(key, {"calls": 0, "us": 0.0, "crit_us": 0.0})
-        calls = (g["calls"] - b["calls"]) / steps
-        if calls > 0:
-            rows.append({"kernel": key[0][:100], "grid": list(key[1]), "calls_per_step": calls,
-                         "us_per_step": (g["us"] - b["us"]) / steps, "crit_us_per_step": (g["crit_us"] - b["crit_us"]) / steps})
+        b = base.get(key, none)
+        r = {"kernel": key[0][:100], "grid": list(key[1]), **per_step(g, b)}
+        r["parts"] = {p: s for p, s in ((p, per_step(x, b["before"].get(p, none))) for p, x in g["before"].items())
+                      if s["calls_per_step"] > 0}
+        if r["calls_per_step"] > 0:
+            rows.append(r)
     if not rows:
         return {"error": "the profiler recorded no kernels in the decode steps"}
     label_groups(rows, c, len(prompt) + steps // 2)
+    rows = split_by_predecessor(rows, c)
     for x in rows:
         x["ideal_us_per_step"] = 1e6 * x["bytes_per_step"] / bw if x["bytes_per_step"] else 0.0
         x["excess_us_per_step"] = x["crit_us_per_step"] - x["ideal_us_per_step"]
@@ -168,6 +207,7 @@ def decode_breakdown(eng, prompt: list[int], steps: int, c: dict, bw: float) -> 
 
 def breakdown_table(b: dict) -> str:
     rows = [{"work": x["work"] or "-", "kernel": x["kernel"][:60], "grid": "x".join(map(str, x["grid"])),
+             "after": x.get("after", ""),
              "calls/step": f"{x['calls_per_step']:.0f}", "us/step": f"{x['us_per_step']:.1f}",
              "critical us/step": f"{x['crit_us_per_step']:.1f}",
              "MB/step": f"{x['bytes_per_step'] / 1e6:.1f}" if x["bytes_per_step"] else "-",
@@ -175,7 +215,7 @@ def breakdown_table(b: dict) -> str:
              "% of copy BW": (f"{100 * x['ideal_us_per_step'] / x['crit_us_per_step']:.0f}"
                               if x["bytes_per_step"] and x["crit_us_per_step"] > 0 else "-"),
              "excess us": f"{x['excess_us_per_step']:.1f}"} for x in b["groups"]]
-    rows.append({"work": "idle (no kernel running)", "kernel": "", "grid": "", "calls/step": "",
+    rows.append({"work": "idle (no kernel running)", "kernel": "", "grid": "", "after": "", "calls/step": "",
                  "us/step": "", "critical us/step": f"{b['idle_us_per_step']:.1f}", "MB/step": "",
                  "us at copy BW": "", "% of copy BW": "", "excess us": f"{b['idle_us_per_step']:.1f}"})
     return markdown_table(rows, list(rows[0].keys()))

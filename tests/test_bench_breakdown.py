@@ -9,7 +9,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from common import SHAPES, full_config, linear_params  # noqa: E402
-from decode import engine_linears, kernel_time_by_group, label_groups, short_kernel_name  # noqa: E402
+from decode import (engine_linears, kernel_time_by_group, label_groups, short_kernel_name,  # noqa: E402
+                    split_by_predecessor)
 
 
 def kernel(name: str, start: float, end: float, grid=(1, 1, 1)) -> dict:
@@ -33,7 +34,11 @@ def test_critical_path_counts_overlap_once_and_idle_apart():
               kernel("void ns::a(int)", 40, 41, (8, 1, 1)),  # another grid: another group
               {"ph": "X", "cat": "cpu_op", "name": "host", "ts": 0, "dur": 100}]
     groups, idle = kernel_time_by_group(events)
-    assert groups[("a", (4, 1, 1))] == {"calls": 2, "us": 20.0, "crit_us": 20.0}
+    a = groups[("a", (4, 1, 1))]
+    assert (a["calls"], a["us"], a["crit_us"]) == (2, 20.0, 20.0)
+    # by the kernel that started before: the first a after none, the second after c
+    assert a["before"] == {"": {"calls": 1, "us": 10.0, "crit_us": 10.0}, "c": {"calls": 1, "us": 10.0, "crit_us": 10.0}}
+    assert set(groups[("d", (1, 1, 1))]["before"]) == {"b"}
     assert groups[("b", (1, 1, 1))]["crit_us"] == 10.0 and groups[("b", (1, 1, 1))]["us"] == 15.0
     assert groups[("d", (1, 1, 1))]["crit_us"] == 0.0
     assert groups[("c", (1, 1, 1))]["crit_us"] == 5.0 and groups[("a", (8, 1, 1))]["calls"] == 1
@@ -120,3 +125,30 @@ def test_ncu_summary_groups_kernels_and_ranks_stalls():
     assert norm["calls"] == 2 and norm["us"] == 2.5 and norm["total us"] == 5.0 and norm["DRAM BW %"] == 2.0
     assert norm["top stalls (per issue)"] == "long_scoreboard 8.5, barrier 2.5, wait 1.0"
     assert table[1]["top stalls (per issue)"].startswith("barrier 7.0")
+
+
+def test_one_kernel_for_three_projections_splits_by_the_kernel_before_it():
+    """The 4B's o_proj, out_proj and down are one kernel on one grid (cluster split-K, 320 blocks):
+    their row splits into one row per linear by what ran before each call, each with its own bytes."""
+    c = full_config(SHAPES["ocria1-4b"])
+    part = lambda calls, crit: {"calls_per_step": calls, "us_per_step": 2.0 * crit, "crit_us_per_step": crit}
+    rows = [{"kernel": f"skinny_gemm_kernel<8, 1, 2, 4, {ADD}, false, 2, false, 1, __nv_bfloat16>",
+             "grid": [320, 1, 1], "calls_per_step": 64, "us_per_step": 1300.0, "crit_us_per_step": 650.0,
+             "parts": {"attention_decode_kernel": part(8, 80.0), "gdn_decode_kernel": part(24, 240.0),
+                       "skinny_gemm_kernel": part(32, 330.0)}},
+            {"kernel": "gdn_decode_kernel<128>", "grid": [32, 1, 1], "calls_per_step": 24, "us_per_step": 290.0,
+             "crit_us_per_step": 146.0, "parts": {"skinny_gemm_kernel": part(24, 146.0)}}]
+    label_groups(rows, c, 1024)
+    assert rows[0]["work"] == N2560
+    split = split_by_predecessor(rows, c)
+    by_work = {r["work"]: r for r in split}
+    assert set(by_work) == {"attn o", "gdn out", "mlp down", "DeltaNet (state in and out)"}
+    assert by_work["attn o"]["crit_us_per_step"] == 80.0 and by_work["attn o"]["calls_per_step"] == 8
+    assert by_work["attn o"]["bytes_per_step"] == 2 * 2560 * 4096 * 8
+    assert by_work["gdn out"]["bytes_per_step"] == 2 * 2560 * 4096 * 24
+    assert by_work["mlp down"]["bytes_per_step"] == 2 * 2560 * 9216 * 32
+    assert sum(r["bytes_per_step"] for r in split[:3]) == rows[0]["bytes_per_step"]
+    # a predecessor that fits none of them (the unfused attention's combine kernel fits "attention"),
+    # or two linears behind one kind of kernel: the row stays whole
+    rows[0]["parts"]["embedding_kernel"] = part(1, 5.0)
+    assert [r["work"] for r in split_by_predecessor(rows, c)][0] == N2560
