@@ -121,7 +121,7 @@ def label_groups(rows: list[dict], c: dict, context: int) -> None:
         name, grid = r["kernel"], r["grid"]
         r["work"], r["bytes_per_step"] = "", None
         if name.startswith("skinny_gemm_kernel<") and grid:
-            # WARPS, NT, U, S, GLU, ADD, NORM, SPLIT, CS, PERSIST, RT, KROT, OutT
+            # WARPS, NT, U, S, GLU, ADD, NORM, SPLIT, CS, PERSIST, RT, OutT
             targs = [a.strip() for a in name.split("<", 1)[1].split(",")]
             epi, blocks_per_tile, persistent = tuple(a == "true" for a in targs[4:7]), int(targs[8]), targs[9] == "true"
             rows = 16 * int(targs[10]) if len(targs) > 11 else 16  # a block tile's rows

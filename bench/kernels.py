@@ -1,15 +1,14 @@
 """Kernel benchmarks of the CUDA backend on OCRia-1 (Qwen3.5-4B text) shapes, each beside its ceiling.
 
     python bench/kernels.py OUT.json [--reps 10] [--skip-prefill] [--ksplit-sweep 2,3,4,6,8] [--cluster-sweep 2,4]
-                                     [--persistent] [--rows-sweep 16,32] [--krotate-sweep 0,8]
+                                     [--persistent] [--rows-sweep 16,32]
 
 - linear, decode / verify (M = 1..16 tokens): achieved bandwidth (weight bytes + activations) against
   the measured device-to-device copy bandwidth (bytes read + written per second); --ksplit-sweep adds
   M = 1 / 16 with the skinny GEMM's split-K forced to each listed count (OCRIA_RT_SKINNY_KSPLIT), and
   --cluster-sweep with its K split over each listed number of blocks of a cluster (OCRIA_RT_SKINNY_CLUSTER),
   --persistent with persistent blocks (OCRIA_RT_SKINNY_PERSISTENT=1; the shapes of many row tiles),
-  --rows-sweep with block tiles of each listed height (OCRIA_RT_SKINNY_ROWS), --krotate-sweep with
-  each block tile's K walk rotated by that many chunks per tile index (OCRIA_RT_SKINNY_KROTATE);
+  --rows-sweep with block tiles of each listed height (OCRIA_RT_SKINNY_ROWS);
 - linear, prefill (M = 8192): TFLOP/s against torch.matmul (cuBLAS) on the same shapes, same run;
 - Gated DeltaNet recurrence per layer at T = 1 and 16, against the time to read and write the fp32
   state once; GDN prefill (the chunked kernels) at T = 1k / 4k / 8k beside the token-serial
@@ -191,9 +190,6 @@ def main() -> None:
     ap.add_argument("--rows-sweep", default="",
                     help="comma-separated skinny-GEMM block tile heights to time at M = 1 / 16 (16,32: "
                          "OCRIA_RT_SKINNY_ROWS, two row tiles per block sharing their x loads)")
-    ap.add_argument("--krotate-sweep", default="",
-                    help="comma-separated K-walk rotations (chunks per block tile) to time at M = 1 / 16 "
-                         "(0,8: OCRIA_RT_SKINNY_KROTATE)")
     ap.add_argument("--cluster-sweep", default="",
                     help="comma-separated blocks per cluster of the skinny GEMM's cluster split-K to time at M = 1 / 16 "
                          "(2,4; it applies to the shapes of few row tiles, N = 2560)")
@@ -209,7 +205,6 @@ def main() -> None:
                      "linear_decode": [], "linear_prefill": [], "gdn": [], "gdn_prefill": [], "attention": [],
                      "attention_prefill": [], "linear_decode_ksplit_sweep": [], "linear_decode_cluster_sweep": [],
                      "linear_decode_persistent_sweep": [], "linear_decode_rows_sweep": [],
-                     "linear_decode_krotate_sweep": [],
                      "sample": [], "skinny_ksplit": ksplit_mode}
     summary: list[dict] = []
 
@@ -239,8 +234,7 @@ def main() -> None:
             (args.ksplit_sweep, "OCRIA_RT_SKINNY_KSPLIT", "ksplit", "split-K over the grid forced (capped by K and the scratch)"),
             (args.cluster_sweep, "OCRIA_RT_SKINNY_CLUSTER", "cluster", "split-K over the blocks of a cluster"),
             ("1" if args.persistent else "", "OCRIA_RT_SKINNY_PERSISTENT", "persistent", "persistent blocks"),
-            (args.rows_sweep, "OCRIA_RT_SKINNY_ROWS", "rows", "block tiles of this many rows"),
-            (args.krotate_sweep, "OCRIA_RT_SKINNY_KROTATE", "krotate", "K walks rotated by this many chunks per tile")):
+            (args.rows_sweep, "OCRIA_RT_SKINNY_ROWS", "rows", "block tiles of this many rows")):
         sweep = [k.strip() for k in flag.split(",") if k.strip()]
         if not sweep or args.skip_linear:
             continue

@@ -363,32 +363,6 @@ def test_linear_rows32(cpu, gpu_with_env, M, K, N):
             np.testing.assert_array_equal(got, ref16)
 
 
-@pytest.mark.parametrize("persistent", ["", "0", "1"])
-@pytest.mark.parametrize("M,K,N", [(16, 2560, 12352), (1, 2560, 18432), (16, 4096, 2560), (9, 1000, 999),
-                                   (3, 264, 40016)])
-def test_linear_krotate(cpu, monkeypatch, M, K, N, persistent):
-    """OCRIA_RT_SKINNY_KROTATE: every decode-GEMM op with each block tile's K walk rotated (another
-    sum order per tile) against the CPU, and the same bits on a second launch; automatic launch shapes
-    (cluster split-K for N = 2560, two row tiles above 8 tokens) and persistent blocks forced on and off;
-    K = 1000 and 264 leave ragged K ranges."""
-    monkeypatch.setenv("OCRIA_RT_SKINNY_KROTATE", "8")
-    monkeypatch.setenv("OCRIA_RT_SKINNY_PERSISTENT", persistent)
-    rng = np.random.default_rng(M * 7919 + K * 31 + N + 64)
-    x = bf16(randn(rng, M, K) * rng.uniform(0.5, 20, (M, 1)).astype(np.float32))
-    w, bias, res = randn(rng, N, K, scale=K**-0.5), randn(rng, N), randn(rng, M, N, scale=4)
-    glu_w = w[: N // 16 * 16]
-
-    def outputs(r):
-        return (r.linear(x, w, bias), r.linear_glu(x, glu_w), r.rms_norm_linear(x, w, 1e-6)[0],
-                r.rms_norm_linear(x, glu_w, 1e-6, glu=True)[0], r.linear_add(x, w, res))
-
-    gpu = _core.OpRunner("cuda")
-    got = outputs(gpu)
-    for g, want, again in zip(got, outputs(cpu), outputs(gpu)):
-        assert relerr(g, want) <= OUT_TOL
-        np.testing.assert_array_equal(again, g)
-
-
 # ---- programmatic dependent launch: dependent kernels back to back ----
 
 # (M, H, I): H = 2560 with I = 4608 takes both skinny-GEMM configurations without split-K (gate_up

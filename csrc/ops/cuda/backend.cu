@@ -115,8 +115,6 @@ CudaBackend::CudaBackend(int device_index) : device_(device_index) {
   skinny_persistent_ = persistent_env && *persistent_env ? int(std::strcmp(persistent_env, "1") == 0) : kSkinnyAuto;
   const char* rows_env = std::getenv("OCRIA_RT_SKINNY_ROWS");
   if (rows_env && (std::strcmp(rows_env, "16") == 0 || std::strcmp(rows_env, "32") == 0)) skinny_rows_ = std::atoi(rows_env);
-  const char* krot_env = std::getenv("OCRIA_RT_SKINNY_KROTATE");
-  if (krot_env && *krot_env) skinny_krot_ = std::max(0, std::atoi(krot_env));
   const char* prefetch_env = std::getenv("OCRIA_RT_L2_PREFETCH_MB");
   if (prefetch_env && *prefetch_env) skinny_prefetch_bytes_ = int64_t(std::max(0, std::atoi(prefetch_env))) << 20;
   int count = 0;

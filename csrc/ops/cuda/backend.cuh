@@ -80,7 +80,6 @@ struct SkinnySettings {
   int ksplit = 0, cluster = 0, persistent = 0;  // OCRIA_RT_SKINNY_KSPLIT, _CLUSTER, _PERSISTENT
   int rows = -1;                                // OCRIA_RT_SKINNY_ROWS (-1: CudaBackend::kSkinnyAuto)
   int64_t prefetch_bytes = 0;                   // OCRIA_RT_L2_PREFETCH_MB
-  int krot = 0;                                 // OCRIA_RT_SKINNY_KROTATE
   void* splitk_scratch = nullptr;
 };
 
@@ -334,7 +333,7 @@ class CudaBackend final : public Backend {
   cuda::LaunchCtx launch_ctx() const { return {stream_, pdl_}; }
   cuda::SkinnySettings skinny_settings() const {
     return {launch_ctx(), sm_count_, skinny_ksplit_, skinny_cluster_, skinny_persistent_, skinny_rows_,
-            skinny_prefetch_bytes_, skinny_krot_, splitk_scratch_};
+            skinny_prefetch_bytes_, splitk_scratch_};
   }
   void free_resources() noexcept;
   // The GDN recurrence ops; `chunked` takes the chunked tensor-core kernels where they apply.
@@ -362,10 +361,6 @@ class CudaBackend final : public Backend {
   // What the blocks of one skinny GEMM prefetch into L2, together, before their input is ready
   // (OCRIA_RT_L2_PREFETCH_MB; default none: linear.cu, the notes on programmatic dependent launch).
   int64_t skinny_prefetch_bytes_ = 0;
-  // OCRIA_RT_SKINNY_KROTATE=n: block tile b of a decode GEMM starts its K walk n b chunks in (mod its
-  // K range), so that the blocks of one wave read different x lines at a time (an experiment for
-  // 16 tokens, where every block of a one-wave launch reads all of x; default 0, none).
-  int skinny_krot_ = 0;
   cudaStream_t stream_ = nullptr;
   // Op scratch, shared by all ops: kernels on the one stream only touch it after pdl_wait(), when
   // every earlier kernel has completed.

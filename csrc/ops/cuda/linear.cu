@@ -141,11 +141,11 @@ struct SplitKScratch {
 // Each thread then loads W rows g + 8 r, r < 4, and a stage holds U = 1 chunk of them (the same ring
 // bytes); the sums are those of two 16-row launches, in the same order, so the bits are the same.
 template <int WARPS, int NT, int U, int S, bool GLU, bool ADD, bool NORM, bool SPLIT, int CS, bool PERSIST, int RT,
-          bool KROT, class OutT>
+          class OutT>
 __global__ void __launch_bounds__(WARPS * 32)
     skinny_gemm_kernel(const bf16* __restrict__ x, int64_t ldx, int M, const bf16* __restrict__ w,
                        int64_t ldw, int N, int K, uint32_t pf_bytes, ParamView bias, bool has_bias,
-                       OutT* __restrict__ out, int64_t ldo, SplitKScratch scratch, float norm_eps, int krot) {
+                       OutT* __restrict__ out, int64_t ldo, SplitKScratch scratch, float norm_eps) {
   static_assert(!(SPLIT && CS > 1), "split-K over the grid or over a cluster, not both");
   static_assert(!(PERSIST && (SPLIT || CS > 1)), "persistent blocks take whole tiles");
   static_assert(!(GLU && ADD), "the activation or the residual add, not both");
@@ -199,23 +199,6 @@ __global__ void __launch_bounds__(WARPS * 32)
   const int stages = my_tiles * iters;
   // K % 8 == 0: a thread's 16-byte piece of a chunk is all in range or all out.
   auto piece_in = [&](int c) { return c < c_hi && c * 32 + 8 * t < K; };
-  // KROT (OCRIA_RT_SKINNY_KROTATE = krot > 0, an experiment for M > 8): block tile b walks its chunks
-  // starting at chunk (b krot) mod span of its range and wraps around, so that the blocks of one wave,
-  // which run in step, read different parts of x from L2 at any one time instead of all the same
-  // lines. Another sum order per tile (not the same bits as without). rotation(ti): the offset of the
-  // block's ti-th tile; chunk(i, rot): the i-th chunk of a tile's sequence (past the span: c_hi, out of
-  // range; without KROT c_lo + i, which piece_in bounds as before).
-  auto rotation = [&](int ti) {
-    if constexpr (!KROT) return 0;
-    const int tile = PERSIST ? int(blockIdx.x) + ti * int(gridDim.x) : int(blockIdx.x) / CS;
-    return span > 0 ? int(int64_t(tile) * krot % span) : 0;
-  };
-  auto chunk = [&](int i, int rot) {
-    if constexpr (!KROT) return c_lo + i;
-    const int j = i + rot;
-    return i < span ? c_lo + (j < span ? j : j - span) : c_hi;
-  };
-  const int rot0 = rotation(0);
   auto issue = [&](int st) {  // stage `st` of this thread into ring slot st % S
     uint4* slot = wring + (st % S) * U * R * NTH + tid;
     int it = st;
@@ -226,11 +209,9 @@ __global__ void __launch_bounds__(WARPS * 32)
       rp[r] = wrow[r];
       ok[r] = row_ok[r];
     }
-    int rot = rot0;
     if constexpr (PERSIST) {  // step it of tile ti
       const int ti = st / iters, m0 = (int(blockIdx.x) + ti * int(gridDim.x)) * BR;
       it = st - ti * iters;
-      rot = rotation(ti);
       // The flags first, then the pointers (the order the 16-row kernels were measured with).
 #pragma unroll
       for (int r = 0; r < R; ++r) ok[r] = st < stages && m0 + g + 8 * r < N;
@@ -239,7 +220,7 @@ __global__ void __launch_bounds__(WARPS * 32)
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int c = chunk(warp + WARPS * (it * U + u), rot);
+      const int c = c_lo + warp + WARPS * (it * U + u);
       const bool in = st < stages && piece_in(c);
       const int k = in ? c * 32 : 0;
 #pragma unroll
@@ -341,10 +322,9 @@ __global__ void __launch_bounds__(WARPS * 32)
   uint4 xnext[U][NT];
   auto load_x = [&](int st) {
     const int it = PERSIST ? st % iters : st;
-    const int rot = PERSIST ? rotation(st / iters) : rot0;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int c = chunk(warp + WARPS * (it * U + u), rot);
+      const int c = c_lo + warp + WARPS * (it * U + u);
       const bool in = st < stages && piece_in(c);
 #pragma unroll
       for (int j = 0; j < NT; ++j)
@@ -505,19 +485,18 @@ struct SkinnyPlan {
   bool wide = false;     // 16 warps per block instead of 8
   bool persist = false;  // persistent blocks
   int rt = 1;            // row tiles per block tile (2: OCRIA_RT_SKINNY_ROWS=32, without split-K)
-  bool krot = false;     // rotated K walks (OCRIA_RT_SKINNY_KROTATE; only for M > 8)
 };
 
 // skinny_gemm_kernel's template parameters other than the epilogue (Epi) and the output type. Ring
 // sizes: 64 KiB (8 warps, 4 stages: 3 blocks per SM) and 96 KiB (16 warps, 3 stages: 2 blocks per SM);
 // 192 resp. 128 bytes in flight per thread. A stage holds two chunks of 2 rows (RT = 1) or one chunk
 // of 4 rows (RT = 2).
-template <int WARPS_, int NT_, bool SPLIT_, int CS_, bool PERSIST_, int RT_ = 1, bool KROT_ = false> struct SkinnyCfg {
+template <int WARPS_, int NT_, bool SPLIT_, int CS_, bool PERSIST_, int RT_ = 1> struct SkinnyCfg {
   static constexpr int WARPS = WARPS_, NT = NT_, RT = RT_, U = 2 / RT_, S = WARPS_ == 16 ? 3 : 4, CS = CS_;
   static constexpr bool SPLIT = SPLIT_, PERSIST = PERSIST_;
   static constexpr int smem = skinny_smem_bytes<WARPS, NT, U, S, CS, RT>();
   template <class Epi, class OutT> static constexpr auto kernel() {
-    return skinny_gemm_kernel<WARPS, NT, U, S, Epi::GLU, Epi::ADD, Epi::NORM, SPLIT, CS, PERSIST, RT, KROT_, OutT>;
+    return skinny_gemm_kernel<WARPS, NT, U, S, Epi::GLU, Epi::ADD, Epi::NORM, SPLIT, CS, PERSIST, RT, OutT>;
   }
 };
 
@@ -540,17 +519,10 @@ template <class Epi, class F> void visit_skinny(const SkinnyPlan& p, int M, F&& 
     constexpr bool SP = decltype(split)::value, PE = decltype(persist)::value;
     auto by_rt = [&](auto nt) {
       constexpr int T = decltype(nt)::value;
-      auto by_krot = [&](auto rt) {
-        constexpr int RTV = decltype(rt)::value;
-        if constexpr (T == 2) {
-          if (p.krot) return f(SkinnyCfg<W, T, SP, C, PE, RTV, true>{});
-        }
-        f(SkinnyCfg<W, T, SP, C, PE, RTV>{});
-      };
       if constexpr (!SP && C == 1) {
-        if (p.rt == 2) return by_krot(std::integral_constant<int, 2>{});
+        if (p.rt == 2) return f(SkinnyCfg<W, T, SP, C, PE, 2>{});
       }
-      by_krot(std::integral_constant<int, 1>{});
+      f(SkinnyCfg<W, T, SP, C, PE>{});
     };
     if (M <= 8)
       by_rt(std::integral_constant<int, 1>{});
@@ -600,8 +572,8 @@ dim3 skinny_grid(const SkinnyPlan& p, int N, int per_sm, int sm_count) {
 template <class Cfg, class Epi, class OutT>
 void launch_skinny_cfg(const bf16* x, int64_t ldx, int M, const bf16* w, int64_t ldw, int N, int K,
                        ParamView bias, bool has_bias, OutT* out, int64_t ldo, const SkinnyPlan& p,
-                       SplitKScratch scratch, float norm_eps, int64_t prefetch_budget, int krot,
-                       const LaunchCtx& ctx, int sm_count) {
+                       SplitKScratch scratch, float norm_eps, int64_t prefetch_budget, const LaunchCtx& ctx,
+                       int sm_count) {
   const int per_sm = skinny_blocks_per_sm<Cfg, Epi, OutT>();
   const dim3 grid = skinny_grid(p, N, per_sm, sm_count);
   // L2 prefetch per row: the rest of the block's K range after the prologue (the shortest range of
@@ -616,7 +588,7 @@ void launch_skinny_cfg(const bf16* x, int64_t ldx, int M, const bf16* w, int64_t
   if (pf < 1024) pf = 0;
   launch_pdl_cluster(ctx, "skinny_gemm_kernel", Cfg::CS > 1 ? unsigned(Cfg::CS) : 0u, Cfg::template kernel<Epi, OutT>(),
                      grid, Cfg::WARPS * 32, Cfg::smem, x, ldx, M, w, ldw, N, K, uint32_t(pf), bias, has_bias,
-                     out, ldo, scratch, norm_eps, krot);
+                     out, ldo, scratch, norm_eps);
 }
 
 // The carving of CudaBackend::splitk_scratch_.
@@ -726,13 +698,12 @@ LinearArgs linear_args(const char* op, const Tensor& x, const LinearWeight& lw) 
 // squares) and with persistent blocks as linear's.
 template <class Epi, class OutT>
 void run_skinny(const LinearArgs& a, OutT* out, int64_t ldo, float norm_eps, const SkinnySettings& st) {
-  SkinnyPlan p =
+  const SkinnyPlan p =
       Epi::NORM ? skinny_plan(a.N, a.K, a.M, Epi::GLU, st.sm_count, 1, 0, st.persistent, st.rows)
                 : skinny_plan(a.N, a.K, a.M, Epi::GLU, st.sm_count, st.ksplit, st.cluster, st.persistent, st.rows);
-  p.krot = st.krot > 0;
   visit_skinny<Epi>(p, a.M, [&](auto cfg) {
     launch_skinny_cfg<decltype(cfg), Epi>(a.x, a.ldx, a.M, a.w, a.ldw, a.N, a.K, a.bias, a.has_bias, out, ldo, p,
-                                          splitk_scratch(st.splitk_scratch), norm_eps, st.prefetch_bytes, st.krot, st.ctx,
+                                          splitk_scratch(st.splitk_scratch), norm_eps, st.prefetch_bytes, st.ctx,
                                           st.sm_count);
   });
 }
