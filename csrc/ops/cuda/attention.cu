@@ -521,8 +521,8 @@ __global__ void __launch_bounds__(kCombineThreads)
 // After it, the block of every non-empty split normalises and rotates the q heads of its group from
 // the qkv row itself (the bits attention_prepare stores, BF16), so q never goes through memory. The
 // block of the last non-empty split, the one holding the new row pos = positions[0], also forms k and
-// v of its kv head, stores them into cache row pos (the row's only writer) and takes that row from
-// shared memory instead of the cache (no other block reads it: the splits are disjoint).
+// v of its kv head, stores them into cache row pos (the row's only writer) and adds that row from
+// shared memory after the split's cache rows (no other block reads it: the splits are disjoint).
 // The splits are merged inside the kernel. With one non-empty split its block writes out. Otherwise
 // each block writes its partial state to the workspace and counts itself in on a counter of
 // CudaBackend's attention counters (__threadfence, atomicAdd; the block that completes a count resets
