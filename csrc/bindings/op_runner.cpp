@@ -91,6 +91,24 @@ AttentionParams attn_params(int64_t hq, int64_t hkv, int64_t hd, int64_t rot, fl
 }
 GdnParams gdn_params(int64_t hk, int64_t hv, int64_t dk, int64_t dv, float eps) { return {hk, hv, dk, dv, 4, eps}; }
 
+// attention_decode's operands on the runner's backend: the inputs uploaded, q [T, hq, hd] and
+// out [T, hq * hd] poisoned.
+struct AttentionStep {
+  AttentionStep(OpRunner& r, const F32Array& qkv_in, const F32Array& q_norm, const F32Array& k_norm,
+                const I32Array& positions, const I32Array& rope_positions, const F32Array& k_cache,
+                const F32Array& v_cache, int64_t hq, int64_t hd)
+      : qkv(r.upload(qkv_in, r.act())),
+        qn(r.upload(q_norm, DType::F32)),
+        kn(r.upload(k_norm, DType::F32)),
+        pos(r.upload_i32(positions)),
+        rpos(r.upload_i32(rope_positions)),
+        kc(r.upload(k_cache, r.act())),
+        vc(r.upload(v_cache, r.act())),
+        q(r.poisoned({qkv_in.shape(0), py::ssize_t(hq), py::ssize_t(hd)}, r.act())),
+        out(r.poisoned({qkv_in.shape(0), py::ssize_t(hq * hd)}, r.act())) {}
+  Tensor qkv, qn, kn, pos, rpos, kc, vc, q, out;
+};
+
 // `steps` runs of `step`, as a decode loop runs them: where the backend has graphs, step is captured once
 // and the graph replayed. `out` is poisoned before each run and read back after it: [steps, *out.shape].
 template <class Step> py::array_t<float> run_steps(OpRunner& r, Step&& step, int64_t steps, const Tensor& out) {
@@ -287,14 +305,10 @@ void register_op_runner(py::module_& m) {
              // class's two ops instead of a backend's own attention_decode. Returns (q, k_cache, v_cache,
              // out): q comes back NaN where the backend did not write it.
              AttentionParams p = attn_params(hq, hkv, hd, rot, theta, eps, mrope_section);
-             const py::ssize_t T = qkv.shape(0);
-             Tensor q = r.poisoned({T, hq, hd}, r.act()), out = r.poisoned({T, hq * hd}, r.act());
-             Tensor kc = r.upload(k_cache, r.act()), vc = r.upload(v_cache, r.act());
-             Tensor x = r.upload(qkv, r.act()), qn = r.upload(q_norm, DType::F32), kn = r.upload(k_norm, DType::F32);
-             Tensor pos = r.upload_i32(positions), rpos = r.upload_i32(rope_positions);
-             if (fused) r.be().attention_decode(x, qn, kn, pos, rpos, p, q, kc, vc, out);
-             else r.be().Backend::attention_decode(x, qn, kn, pos, rpos, p, q, kc, vc, out);
-             return py::make_tuple(r.download(q), r.download(kc), r.download(vc), r.download(out));
+             AttentionStep a(r, qkv, q_norm, k_norm, positions, rope_positions, k_cache, v_cache, hq, hd);
+             if (fused) r.be().attention_decode(a.qkv, a.qn, a.kn, a.pos, a.rpos, p, a.q, a.kc, a.vc, a.out);
+             else r.be().Backend::attention_decode(a.qkv, a.qn, a.kn, a.pos, a.rpos, p, a.q, a.kc, a.vc, a.out);
+             return py::make_tuple(r.download(a.q), r.download(a.kc), r.download(a.vc), r.download(a.out));
            },
            py::arg("qkv"), py::arg("q_norm"), py::arg("k_norm"), py::arg("positions"), py::arg("rope_positions"),
            py::arg("k_cache"), py::arg("v_cache"), py::arg("hq"), py::arg("hkv"), py::arg("hd"), py::arg("rot"),
@@ -307,18 +321,14 @@ void register_op_runner(py::module_& m) {
              // positions advancing by `advance` (on the device) after each, as in a decode step. Each run
              // writes its cache row. Returns (out [steps, T, hq * hd], k_cache, v_cache).
              AttentionParams p = attn_params(hq, hkv, hd, rot, theta, eps, mrope_section);
-             const py::ssize_t T = qkv.shape(0);
-             Tensor q = r.poisoned({T, hq, hd}, r.act()), out = r.poisoned({T, hq * hd}, r.act());
-             Tensor kc = r.upload(k_cache, r.act()), vc = r.upload(v_cache, r.act());
-             Tensor x = r.upload(qkv, r.act()), qn = r.upload(q_norm, DType::F32), kn = r.upload(k_norm, DType::F32);
-             Tensor pos = r.upload_i32(positions), rpos = r.upload_i32(rope_positions);
+             AttentionStep a(r, qkv, q_norm, k_norm, positions, rope_positions, k_cache, v_cache, hq, hd);
              auto step = [&] {
-               r.be().attention_decode(x, qn, kn, pos, rpos, p, q, kc, vc, out);
-               r.be().increment(pos, advance);
-               r.be().increment(rpos, advance);
+               r.be().attention_decode(a.qkv, a.qn, a.kn, a.pos, a.rpos, p, a.q, a.kc, a.vc, a.out);
+               r.be().increment(a.pos, advance);
+               r.be().increment(a.rpos, advance);
              };
-             py::array_t<float> outs = run_steps(r, step, steps, out);
-             return py::make_tuple(outs, r.download(kc), r.download(vc));
+             py::array_t<float> outs = run_steps(r, step, steps, a.out);
+             return py::make_tuple(outs, r.download(a.kc), r.download(a.vc));
            },
            py::arg("qkv"), py::arg("q_norm"), py::arg("k_norm"), py::arg("positions"), py::arg("rope_positions"),
            py::arg("k_cache"), py::arg("v_cache"), py::arg("hq"), py::arg("hkv"), py::arg("hd"), py::arg("rot"),

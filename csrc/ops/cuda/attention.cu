@@ -429,7 +429,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   load_scaled_q<E, GM>(q + int64_t(t) * ldq + int64_t(kvh) * G * HD, G, lane, scale_log2, qf);
   float m[GM], l[GM], acc[GM][E];
   attend_rows<E, GM>(qf, k_cache + int64_t(kvh) * HD + lane * E, v_cache + int64_t(kvh) * HD + lane * E, ldc,
-                            start, end, warp, lane, m, l, acc);
+                     start, end, warp, lane, m, l, acc);
   store_warp_state<E, GM>(ws, m, l, acc, warp, lane);
   __syncthreads();
   for (int idx = threadIdx.x; idx < G * HD; idx += blockDim.x) {

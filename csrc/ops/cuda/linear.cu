@@ -135,7 +135,7 @@ struct SplitKScratch {
 // from one tile into the next (stage g is step g % iters of its (g / iters)-th tile, iters the same
 // for every warp), so the ring keeps the next tile's weights in flight while a tile's sums are
 // reduced and stored (only without SPLIT and CS).
-// RT = 2 (OCRIA_RT_SKINNY_ROWS=32, an experiment; not with SPLIT or CS > 1): a block tile is two row
+// RT = 2 (above 8 tokens without GLU, skinny_plan; not with SPLIT or CS > 1): a block tile is two row
 // tiles (32 rows) whose mma tiles share every x fragment a thread loads, so x is read from L2 once per
 // 32 rows of W instead of once per 16 (at 16 tokens x is as many bytes as the W tile it multiplies).
 // Each thread then loads W rows g + 8 r, r < 4, and a stage holds U = 1 chunk of them (the same ring
@@ -484,7 +484,7 @@ struct SkinnyPlan {
   int cs = 1;            // blocks of a cluster sharing one row tile's K; 1: none
   bool wide = false;     // 16 warps per block instead of 8
   bool persist = false;  // persistent blocks
-  int rt = 1;            // row tiles per block tile (2: OCRIA_RT_SKINNY_ROWS=32, without split-K)
+  int rt = 1;            // row tiles per block tile (2: see skinny_plan; never with split-K)
 };
 
 // skinny_gemm_kernel's template parameters other than the epilogue (Epi) and the output type. Ring
@@ -578,8 +578,7 @@ void launch_skinny_cfg(const bf16* x, int64_t ldx, int M, const bf16* w, int64_t
   const dim3 grid = skinny_grid(p, N, per_sm, sm_count);
   // L2 prefetch per row: the rest of the block's K range after the prologue (the shortest range of
   // a split, less one chunk for the last one's ragged end), within the budget (all rows together);
-  // whole 128-byte
-  // lines; none when it would be too little to matter (many rows).
+  // whole 128-byte lines; none when it would be too little to matter (many rows).
   constexpr int kpre = skinny_prologue_k<Cfg::WARPS, Cfg::U, Cfg::S>();
   const int splits = p.ksplit * p.cs;
   const int64_t kspan = splits > 1 ? int64_t((K + 31) / 32 / splits - 1) * 32 : K;
