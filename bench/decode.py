@@ -175,7 +175,7 @@ def decode_breakdown(eng, prompt: list[int], steps: int, c: dict, bw: float) -> 
         box = {}
         events = profiled_trace_events(lambda: box.update(r=eng.generate(prompt, max_new_tokens=n, stop_token_ids=[])))
         per_run.append((*kernel_time_by_group(events), box["r"]))
-    (base, base_idle, _), (full, full_idle, r) = per_run
+    (base, base_idle, _), (full, full_idle, result) = per_run
     def per_step(g: dict, b: dict) -> dict:  # the decode steps' share: the full run less the prefill's
         return {"calls_per_step": (g["calls"] - b["calls"]) / steps, "us_per_step": (g["us"] - b["us"]) / steps,
                 "crit_us_per_step": (g["crit_us"] - b["crit_us"]) / steps}
@@ -184,11 +184,11 @@ def decode_breakdown(eng, prompt: list[int], steps: int, c: dict, bw: float) -> 
     rows = []
     for key, g in full.items():
         b = base.get(key, none)
-        r = {"kernel": key[0][:100], "grid": list(key[1]), **per_step(g, b)}
-        r["parts"] = {p: s for p, s in ((p, per_step(x, b["before"].get(p, none))) for p, x in g["before"].items())
-                      if s["calls_per_step"] > 0}
-        if r["calls_per_step"] > 0:
-            rows.append(r)
+        row = {"kernel": key[0][:100], "grid": list(key[1]), **per_step(g, b)}
+        row["parts"] = {p: s for p, s in ((p, per_step(x, b["before"].get(p, none))) for p, x in g["before"].items())
+                        if s["calls_per_step"] > 0}
+        if row["calls_per_step"] > 0:
+            rows.append(row)
     if not rows:
         return {"error": "the profiler recorded no kernels in the decode steps"}
     label_groups(rows, c, len(prompt) + steps // 2)
@@ -197,7 +197,7 @@ def decode_breakdown(eng, prompt: list[int], steps: int, c: dict, bw: float) -> 
         x["ideal_us_per_step"] = 1e6 * x["bytes_per_step"] / bw if x["bytes_per_step"] else 0.0
         x["excess_us_per_step"] = x["crit_us_per_step"] - x["ideal_us_per_step"]
     rows.sort(key=lambda x: -x["crit_us_per_step"])
-    return {"steps": steps, "wall_us_per_step": 1e6 / r.decode_tokens_per_second,
+    return {"steps": steps, "wall_us_per_step": 1e6 / result.decode_tokens_per_second,
             "kernel_us_per_step": sum(x["us_per_step"] for x in rows),
             "crit_us_per_step": sum(x["crit_us_per_step"] for x in rows),
             "idle_us_per_step": (full_idle - base_idle) / steps,

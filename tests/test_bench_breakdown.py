@@ -9,8 +9,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from common import SHAPES, full_config, linear_params  # noqa: E402
-from decode import (engine_linears, kernel_time_by_group, label_groups, short_kernel_name,  # noqa: E402
-                    split_by_predecessor)
+import decode  # noqa: E402
+from decode import (decode_breakdown, engine_linears, kernel_time_by_group, label_groups,  # noqa: E402
+                    short_kernel_name, split_by_predecessor)
 
 
 def kernel(name: str, start: float, end: float, grid=(1, 1, 1)) -> dict:
@@ -152,3 +153,45 @@ def test_one_kernel_for_three_projections_splits_by_the_kernel_before_it():
     # or two linears behind one kind of kernel: the row stays whole
     rows[0]["parts"]["embedding_kernel"] = part(1, 5.0)
     assert [r["work"] for r in split_by_predecessor(rows, c)][0] == N2560
+
+
+def test_decode_breakdown_takes_the_prefill_out_and_divides_by_the_steps(monkeypatch):
+    """decode_breakdown on a stand-in engine and profiler: a generate of 1 token (prefill, one DeltaNet
+    kernel) and one of 1 + 2 tokens (two decode steps of a 3 us DeltaNet kernel and a 1 us embedding
+    each, 1 us apart); per step, the prefill's kernels taken out; the step's wall time from the
+    longer run's decode rate."""
+    gdn, emb = "void ocria_rt::cuda::gdn_decode_kernel<128>(float*)", "void ocria_rt::cuda::embedding_kernel<int>(int*)"
+    traces = {1: [kernel(gdn, 0, 10, (32, 1, 1))],
+              3: [kernel(gdn, 0, 10, (32, 1, 1)),
+                  kernel(emb, 11, 12), kernel(gdn, 12, 15, (32, 1, 1)),
+                  kernel(emb, 16, 17), kernel(gdn, 17, 20, (32, 1, 1))]}
+
+    class Result:
+        def __init__(self, n: int) -> None:
+            self.decode_tokens_per_second = 250_000.0 if n == 3 else 1.0
+
+    class Engine:
+        def __init__(self) -> None:
+            self.last = 0
+
+        def generate(self, prompt, max_new_tokens, stop_token_ids):
+            self.last = max_new_tokens
+            return Result(max_new_tokens)
+
+    eng = Engine()
+
+    def fake_trace(fn):
+        fn()
+        return traces[eng.last]
+
+    monkeypatch.setattr(decode, "profiled_trace_events", fake_trace)
+    c = full_config(SHAPES["ocria1-4b"])
+    b = decode_breakdown(eng, list(range(16)), 2, c, bw=4e12)
+    assert b["steps"] == 2 and b["wall_us_per_step"] == 4.0
+    rows = {r["kernel"]: r for r in b["groups"]}
+    assert set(rows) == {"gdn_decode_kernel<128>", "embedding_kernel<int>"}
+    g = rows["gdn_decode_kernel<128>"]
+    assert g["calls_per_step"] == 1 and g["crit_us_per_step"] == 3.0 and g["work"].startswith("DeltaNet")
+    assert g["ideal_us_per_step"] > 0 and g["excess_us_per_step"] == 3.0 - g["ideal_us_per_step"]
+    assert rows["embedding_kernel<int>"]["crit_us_per_step"] == 1.0
+    assert b["idle_us_per_step"] == 1.0 and b["kernels_per_step"] == 2
