@@ -254,3 +254,20 @@ def test_evaluate_with_a_function():
     for name, v in out["by_layout"].items():  # each layout's mean over its own pages
         pages = [p for p in out["per_page"] if p["layout"] == name]
         assert v["cer"] == sum(p["cer"] for p in pages) / len(pages)
+
+
+def test_a_table_cut_down_to_one_row_is_not_placed():
+    """Where the room left (here: the page's character budget) holds only one row of a table, the
+    table is not placed: every table on a page has at least two rows (what fits depends on the fonts
+    a machine has, so generated pages can hit this on one machine and not another)."""
+    from ocria_rt.synthdoc.fonts import available_families
+    from ocria_rt.synthdoc.layout import Table, Typo
+
+    typo = Typo(available_families()[0], 14, leading=1.3, ink=(0, 0, 0), accent=(0, 0, 0), light=(230, 230, 230))
+    table = Table(None, [["a", "b"], ["c", "d"], ["e", "f"]], [False, False])
+    row = len("<tr><td>a</td><td>b</td></tr>")
+    base = len("<table></table>")
+    assert table.layout(typo, 400, max_chars=base + row + 5) is None
+    two = table.layout(typo, 400, max_chars=base + 2 * row + 5)
+    assert two is not None and two.info["rows"] == 2 and not two.complete
+    assert Table(None, [["a", "b"]] * 3, [False, False]).layout(typo, 400).info["rows"] == 3

@@ -641,7 +641,7 @@ class Table(Block):
                 body += 1
             y += h
             row_bounds.append(y)
-        if body == 0:
+        if body == 0 or len(html_rows) < 2:  # a table cut down to one row is not worth placing
             return None
         th = y
         ink = typo.ink
