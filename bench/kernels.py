@@ -193,7 +193,10 @@ def main() -> None:
     ap.add_argument("--cluster-sweep", default="",
                     help="comma-separated blocks per cluster of the skinny GEMM's cluster split-K to time at M = 1 / 16 "
                          "(2,4; it applies to the shapes of few row tiles, N = 2560)")
+    ap.add_argument("--attention-contexts", default=",".join(map(str, ATTN_CONTEXTS)),
+                    help="comma-separated context lengths of the T = 1 attention table (default %(default)s)")
     args = ap.parse_args()
+    attn_contexts = [int(c) for c in args.attention_contexts.split(",") if c]
 
     from ocria_rt import _core
 
@@ -321,7 +324,7 @@ def main() -> None:
 
     # ---- attention over the KV cache ----
     rows = []
-    for T, ctx in [(1, c) for c in ATTN_CONTEXTS] + [(16, 8192)]:
+    for T, ctx in [(1, c) for c in attn_contexts] + [(16, 8192)]:
         kv_bytes = 2 * ctx * HKV * HD * 2
         iters = iters_for(kv_bytes / bw, lo=10)
         us = med(kb.attention(T, ctx, HQ, HKV, HD, iters=iters, reps=args.reps))
@@ -336,8 +339,13 @@ def main() -> None:
         summary.append({"kernel": "attention", "case": f"T={T} ctx={ctx} Hq={HQ} Hkv={HKV} hd={HD}",
                         "time": f"{us:.1f} us", "achieved": f"{got / 1e12:.2f} TB/s", "reference": "KV read once",
                         "ratio": f"{got / bw:.0%}"})
+    # The shortest a dependent kernel can be in these chains: a one-row copy (an embedding gather of one
+    # hidden row), launched back to back with PDL like every op above.
+    floor_us = med(kb.copy(1, H, iters=200, reps=args.reps))
+    results["kernel_floor_us"] = round(floor_us, 2)
     print("\n## Attention (one layer)\n")
     print(markdown_table(rows, ["T", "context", "us", "KV TB/s", "of copy BW", "step us", "prepare + attention us"]))
+    print(f"\nA one-row copy in the same kind of chain (the floor of a dependent kernel): {floor_us:.2f} us")
 
     # ---- attention prefill: T tokens from an empty cache (causal), flash kernel vs torch SDPA ----
     if not args.skip_prefill:
