@@ -231,8 +231,14 @@ constexpr int kDecMaxCluster = 8;  // HV / HK: the portable cluster size
 static_assert(kDecThreads / 32 >= kTokChunk, "a warp per token");
 static_assert(2 * 128 + kDecMaxDv <= kDecThreads, "a conv channel per thread up to dk = 128");
 
+// At most 80 registers a thread (no spills; 124 unbounded): 512 x 80 of an SM's 64K leave room for a
+// decode-GEMM block beside it, so that out_proj's blocks start streaming their weights on the SMs
+// that hold these blocks too while the recurrence runs (H200, 4B step: out_proj 61 -> 69% of copy bandwidth, the
+// DeltaNet kernel 147 -> 129 us a step; bench/results, fifteenth session).
+constexpr int kDecMaxRegs = 80;
+
 template <int DK>
-__global__ void __launch_bounds__(kDecThreads, 1)
+__global__ void __maxnreg__(kDecMaxRegs)
     gdn_decode_kernel(const bf16* __restrict__ proj, int64_t ldp, ParamView conv_w, float* __restrict__ conv_state,
                       ParamView A_log, ParamView dt_bias, ParamView norm_w, float* __restrict__ state,
                       bf16* __restrict__ out, int64_t ldo, int n_tokens, int HK, int HV, int dv, int K, float eps) {
