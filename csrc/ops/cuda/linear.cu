@@ -606,18 +606,16 @@ int skinny_ksplit(int tiles, int nchunks, int mode) {
 }
 
 // Cluster split-K, the blocks of a cluster per tile (1: none): `mode` is the backend's
-// OCRIA_RT_SKINNY_CLUSTER (2 or 4 ask for it, another number never), used for few row tiles (`wide`,
-// below) when no split-K over the grid is asked for and every block gets at least one 32-wide chunk.
-// Auto: 2 for between one and two tiles per SM, where one block per tile leaves some SMs with twice
-// the bytes of the others (N = 2560: 160 tiles on 132 SMs; H200, bench/results: 4B decode 355.2
-// tokens/s with, 346.9 without). Not for at most half a tile per SM (Qwen3.5-0.8B's N = 1024: 64
-// tiles), where it measured faster (+3.9%) until x was loaded a stage ahead, and slower since (1059
-// against 1107 tokens/s); nor between one and two blocks per SM (the 0.8B's 320-514 tiles: 990 -> 917
-// tokens/s); 4 blocks measured slower everywhere.
-int skinny_cluster(bool wide, int tiles, int sm_count, int ksplit, int nchunks, int mode) {
-  const bool uneven = tiles >= sm_count && tiles < 2 * sm_count;
-  const int cs = mode == CudaBackend::kSkinnyAuto ? (uneven ? 2 : 1) : mode;
-  return wide && ksplit == 1 && (cs == 2 || cs == 4) && nchunks >= cs ? cs : 1;
+// OCRIA_RT_SKINNY_CLUSTER (2 or 4 ask for it, anything else, unset included, does not), taken for few
+// row tiles (`wide`, below) when no split-K over the grid is asked for and every block gets at least
+// one 32-wide chunk. Off by default: for the 4B's N = 2560 (160 tiles on 132 SMs, where one block per
+// tile leaves some SMs with twice the bytes of the others) 2 blocks per tile measured faster once
+// (eighth session: 355.2 against 346.9 tokens/s), and slower in every same-build A/B since x is loaded a
+// stage ahead and the residual adds moved into the linears (fourteenth session: 0.3% and 1.5% slower;
+// sixteenth, three alternating runs: 392.2-393.5 tokens/s with, 395.5-395.8 without); for the 0.8B's
+// N = 1024 (64 tiles) slower too (1059 against 1107), and 4 blocks slower everywhere (H200, bench/results).
+int skinny_cluster(bool wide, int ksplit, int nchunks, int mode) {
+  return wide && ksplit == 1 && (mode == 2 || mode == 4) && nchunks >= mode ? mode : 1;
 }
 
 // Persistent blocks for the shapes of many row tiles: `mode` is the backend's
@@ -630,7 +628,7 @@ bool skinny_persistent(int tiles, int sm_count, int mode) {
 
 // The launch of an [N, K] weight: split-K over the grid only when asked for; few blocks (N = 2560
 // without split-K: 160 tiles on 132 SMs) cannot keep enough bytes in flight with 8 warps per block,
-// so they get 16 warps, or cluster split-K; persistent blocks for many tiles (no split-K).
+// so they get 16 warps (or, asked for, cluster split-K); persistent blocks for many tiles (no split-K).
 // Two row tiles per block (x loaded once for 32 rows of W) wherever no K is split, for more than 8
 // tokens and no GLU epilogue: at 16 tokens the LM head streams at 91% of copy bandwidth instead of 71%
 // and attention's qkv at 63% instead of 59%, while gate_up's GLU store falls from 69% to 60% and at
@@ -643,7 +641,7 @@ SkinnyPlan skinny_plan(int N, int K, int M, bool glu, int sm_count, int ksplit_m
   const int tiles = (N + 15) / 16, nchunks = (K + 31) / 32;
   p.ksplit = skinny_ksplit(tiles, nchunks, ksplit_mode);
   p.wide = int64_t(tiles) * p.ksplit < 4 * sm_count;
-  p.cs = skinny_cluster(p.wide, tiles, sm_count, p.ksplit, nchunks, cluster_mode);
+  p.cs = skinny_cluster(p.wide, p.ksplit, nchunks, cluster_mode);
   p.persist = p.cs == 1 && p.ksplit == 1 && !p.wide && skinny_persistent(tiles, sm_count, persistent_mode);
   const bool two_rows = rows_mode == CudaBackend::kSkinnyAuto ? M > 8 && !glu : rows_mode == 32;
   p.rt = two_rows && p.cs == 1 && p.ksplit == 1 ? 2 : 1;
