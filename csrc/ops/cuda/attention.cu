@@ -542,20 +542,6 @@ __device__ __forceinline__ int merge_group_size(int active, int min_group) {
   return size;
 }
 
-// Counts this block in on `counter` once its writes are visible device-wide. True, in every thread,
-// for the block that completes the count of `expected`: it then sees all the counted blocks' writes,
-// and resets the counter for the next launch. Contains __syncthreads.
-__device__ __forceinline__ bool arrive_last(uint32_t* counter, int expected) {
-  __threadfence();
-  __syncthreads();
-  bool last = false;
-  if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == uint32_t(expected - 1);
-  if (!__syncthreads_or(last)) return false;
-  if (threadIdx.x == 0) *counter = 0;
-  __threadfence();
-  return true;
-}
-
 // Who merges what: thread i takes q head i / TPH of the group and its Q quads of columns
 // 4 (i % TPH + TPH k), k < Q (consecutive quads in consecutive threads). Q is a power of two, so a
 // thread's columns lie in one head.
@@ -709,7 +695,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   uint32_t* head_counters = counters + int64_t(kvh) * (nsplit + 1);
   const int group_size = merge_group_size(active, min_group), groups = split_count(active, group_size);
   const int first = split / group_size * group_size;
-  if (!arrive_last(head_counters + split / group_size, min(group_size, active - first))) return;
+  if (!arrive_last(head_counters + split / group_size, 0, min(group_size, active - first), true)) return;
   const int g = threadIdx.x / Layout::TPH, quad0 = threadIdx.x % Layout::TPH;
   const bool merges = g < G;
   const int h = kvh * G + g;
@@ -725,7 +711,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
     }
     __syncthreads();  // every merging thread has read the (m, L) of slot `first`
     if (merges && quad0 == 0) __stcg(part_ml + head_slots + first, make_float2(M, L));
-    if (!arrive_last(head_counters + nsplit, groups)) return;
+    if (!arrive_last(head_counters + nsplit, 0, groups, true)) return;
   }
   if (!merges) return;
   // The groups' first slots (with one group: the splits), then out = A / L * sigmoid(gate).
