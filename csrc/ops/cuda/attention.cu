@@ -22,6 +22,7 @@
 #include <climits>
 #include <cmath>
 #include <initializer_list>
+#include <type_traits>
 #include <utility>
 
 #include "ops/cuda/backend.cuh"
@@ -785,13 +786,6 @@ template <int E, int GM> void launch_attention_decode(const DecodeArgs& a, const
   }
 }
 
-template <int E> void launch_attention_decode_e(const DecodeArgs& a, const LaunchCtx& ctx) {
-  if (a.G <= 1) launch_attention_decode<E, 1>(a, ctx);
-  else if (a.G <= 2) launch_attention_decode<E, 2>(a, ctx);
-  else if (a.G <= 4) launch_attention_decode<E, 4>(a, ctx);
-  else launch_attention_decode<E, 8>(a, ctx);
-}
-
 struct StepArgs {
   const bf16* qkv;
   ParamView q_norm, k_norm;
@@ -826,11 +820,22 @@ template <int E, int GM> void launch_attention_step(const StepArgs& a, const Lau
              int(std::min<int64_t>(a.capacity, INT_MAX)), a.scale_log2);
 }
 
-template <int E> void launch_attention_step_e(const StepArgs& a, const LaunchCtx& ctx) {
-  if (a.G <= 1) launch_attention_step<E, 1>(a, ctx);
-  else if (a.G <= 2) launch_attention_step<E, 2>(a, ctx);
-  else if (a.G <= 4) launch_attention_step<E, 4>(a, ctx);
-  else launch_attention_step<E, 8>(a, ctx);
+// Calls f(std::integral_constant<int, E>{}, std::integral_constant<int, GM>{}) for the instantiation
+// of the decode kernels that takes head_dim hd = 32 E (32, 64, 128; anything else: 256, which the
+// callers have checked) and GQA group G: the smallest GM of 1, 2, 4, 8 with G <= GM.
+template <class F> void dispatch_decode(int64_t hd, int G, F&& f) {
+  auto by_group = [&](auto e) {
+    if (G <= 1) f(e, std::integral_constant<int, 1>{});
+    else if (G <= 2) f(e, std::integral_constant<int, 2>{});
+    else if (G <= 4) f(e, std::integral_constant<int, 4>{});
+    else f(e, std::integral_constant<int, 8>{});
+  };
+  switch (hd) {
+    case 32: by_group(std::integral_constant<int, 1>{}); break;
+    case 64: by_group(std::integral_constant<int, 2>{}); break;
+    case 128: by_group(std::integral_constant<int, 4>{}); break;
+    default: by_group(std::integral_constant<int, 8>{}); break;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1265,12 +1270,7 @@ void CudaBackend::attention(const Tensor& q, const Tensor& k_cache, const Tensor
   a.workspace = workspace_;
   a.workspace_bytes = workspace_bytes_;
   a.sm_count = sm_count_;
-  switch (hd) {
-    case 32: launch_attention_decode_e<1>(a, launch_ctx()); break;
-    case 64: launch_attention_decode_e<2>(a, launch_ctx()); break;
-    case 128: launch_attention_decode_e<4>(a, launch_ctx()); break;
-    default: launch_attention_decode_e<8>(a, launch_ctx()); break;
-  }
+  dispatch_decode(hd, G, [&](auto e, auto gm) { launch_attention_decode<e, gm>(a, launch_ctx()); });
 }
 
 void CudaBackend::attention_decode(const Tensor& qkv, const Tensor& q_norm, const Tensor& k_norm,
@@ -1318,12 +1318,7 @@ void CudaBackend::attention_decode(const Tensor& qkv, const Tensor& q_norm, cons
   a.counters = attn_counters_;
   a.min_group = std::min(attn_merge_group_, kMaxSplits);
   a.sm_count = sm_count_;
-  switch (hd) {
-    case 32: launch_attention_step_e<1>(a, launch_ctx()); break;
-    case 64: launch_attention_step_e<2>(a, launch_ctx()); break;
-    case 128: launch_attention_step_e<4>(a, launch_ctx()); break;
-    default: launch_attention_step_e<8>(a, launch_ctx()); break;
-  }
+  dispatch_decode(hd, a.G, [&](auto e, auto gm) { launch_attention_step<e, gm>(a, launch_ctx()); });
 }
 
 namespace cuda {
