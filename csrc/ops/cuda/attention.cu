@@ -22,6 +22,7 @@
 #include <climits>
 #include <cmath>
 #include <initializer_list>
+#include <type_traits>
 #include <utility>
 
 #include "ops/cuda/backend.cuh"
@@ -542,20 +543,6 @@ __device__ __forceinline__ int merge_group_size(int active, int min_group) {
   return size;
 }
 
-// Counts this block in on `counter` once its writes are visible device-wide. True, in every thread,
-// for the block that completes the count of `expected`: it then sees all the counted blocks' writes,
-// and resets the counter for the next launch. Contains __syncthreads.
-__device__ __forceinline__ bool arrive_last(uint32_t* counter, int expected) {
-  __threadfence();
-  __syncthreads();
-  bool last = false;
-  if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == uint32_t(expected - 1);
-  if (!__syncthreads_or(last)) return false;
-  if (threadIdx.x == 0) *counter = 0;
-  __threadfence();
-  return true;
-}
-
 // Who merges what: thread i takes q head i / TPH of the group and its Q quads of columns
 // 4 (i % TPH + TPH k), k < Q (consecutive quads in consecutive threads). Q is a power of two, so a
 // thread's columns lie in one head.
@@ -709,7 +696,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   uint32_t* head_counters = counters + int64_t(kvh) * (nsplit + 1);
   const int group_size = merge_group_size(active, min_group), groups = split_count(active, group_size);
   const int first = split / group_size * group_size;
-  if (!arrive_last(head_counters + split / group_size, min(group_size, active - first))) return;
+  if (!arrive_last(head_counters + split / group_size, 0, min(group_size, active - first), true)) return;
   const int g = threadIdx.x / Layout::TPH, quad0 = threadIdx.x % Layout::TPH;
   const bool merges = g < G;
   const int h = kvh * G + g;
@@ -725,7 +712,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
     }
     __syncthreads();  // every merging thread has read the (m, L) of slot `first`
     if (merges && quad0 == 0) __stcg(part_ml + head_slots + first, make_float2(M, L));
-    if (!arrive_last(head_counters + nsplit, groups)) return;
+    if (!arrive_last(head_counters + nsplit, 0, groups, true)) return;
   }
   if (!merges) return;
   // The groups' first slots (with one group: the splits), then out = A / L * sigmoid(gate).
@@ -799,13 +786,6 @@ template <int E, int GM> void launch_attention_decode(const DecodeArgs& a, const
   }
 }
 
-template <int E> void launch_attention_decode_e(const DecodeArgs& a, const LaunchCtx& ctx) {
-  if (a.G <= 1) launch_attention_decode<E, 1>(a, ctx);
-  else if (a.G <= 2) launch_attention_decode<E, 2>(a, ctx);
-  else if (a.G <= 4) launch_attention_decode<E, 4>(a, ctx);
-  else launch_attention_decode<E, 8>(a, ctx);
-}
-
 struct StepArgs {
   const bf16* qkv;
   ParamView q_norm, k_norm;
@@ -840,11 +820,22 @@ template <int E, int GM> void launch_attention_step(const StepArgs& a, const Lau
              int(std::min<int64_t>(a.capacity, INT_MAX)), a.scale_log2);
 }
 
-template <int E> void launch_attention_step_e(const StepArgs& a, const LaunchCtx& ctx) {
-  if (a.G <= 1) launch_attention_step<E, 1>(a, ctx);
-  else if (a.G <= 2) launch_attention_step<E, 2>(a, ctx);
-  else if (a.G <= 4) launch_attention_step<E, 4>(a, ctx);
-  else launch_attention_step<E, 8>(a, ctx);
+// Calls f(std::integral_constant<int, E>{}, std::integral_constant<int, GM>{}) for the instantiation
+// of the decode kernels that takes head_dim hd = 32 E (32, 64, 128; anything else: 256, which the
+// callers have checked) and GQA group G: the smallest GM of 1, 2, 4, 8 with G <= GM.
+template <class F> void dispatch_decode(int64_t hd, int G, F&& f) {
+  auto by_group = [&](auto e) {
+    if (G <= 1) f(e, std::integral_constant<int, 1>{});
+    else if (G <= 2) f(e, std::integral_constant<int, 2>{});
+    else if (G <= 4) f(e, std::integral_constant<int, 4>{});
+    else f(e, std::integral_constant<int, 8>{});
+  };
+  switch (hd) {
+    case 32: by_group(std::integral_constant<int, 1>{}); break;
+    case 64: by_group(std::integral_constant<int, 2>{}); break;
+    case 128: by_group(std::integral_constant<int, 4>{}); break;
+    default: by_group(std::integral_constant<int, 8>{}); break;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1279,12 +1270,7 @@ void CudaBackend::attention(const Tensor& q, const Tensor& k_cache, const Tensor
   a.workspace = workspace_;
   a.workspace_bytes = workspace_bytes_;
   a.sm_count = sm_count_;
-  switch (hd) {
-    case 32: launch_attention_decode_e<1>(a, launch_ctx()); break;
-    case 64: launch_attention_decode_e<2>(a, launch_ctx()); break;
-    case 128: launch_attention_decode_e<4>(a, launch_ctx()); break;
-    default: launch_attention_decode_e<8>(a, launch_ctx()); break;
-  }
+  dispatch_decode(hd, G, [&](auto e, auto gm) { launch_attention_decode<e, gm>(a, launch_ctx()); });
 }
 
 void CudaBackend::attention_decode(const Tensor& qkv, const Tensor& q_norm, const Tensor& k_norm,
@@ -1332,12 +1318,7 @@ void CudaBackend::attention_decode(const Tensor& qkv, const Tensor& q_norm, cons
   a.counters = attn_counters_;
   a.min_group = std::min(attn_merge_group_, kMaxSplits);
   a.sm_count = sm_count_;
-  switch (hd) {
-    case 32: launch_attention_step_e<1>(a, launch_ctx()); break;
-    case 64: launch_attention_step_e<2>(a, launch_ctx()); break;
-    case 128: launch_attention_step_e<4>(a, launch_ctx()); break;
-    default: launch_attention_step_e<8>(a, launch_ctx()); break;
-  }
+  dispatch_decode(hd, a.G, [&](auto e, auto gm) { launch_attention_step<e, gm>(a, launch_ctx()); });
 }
 
 namespace cuda {

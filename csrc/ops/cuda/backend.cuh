@@ -130,6 +130,25 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
+// ---- completion counts across the blocks of a launch ----
+
+// Counts this block in on counters[i] (zero between launches). True, in every thread, for the block
+// that completes the count of `expected` blocks; it resets the counter for the next launch. Threads
+// whose global writes the last block reads pass wrote: their __threadfence orders those writes
+// before the count, __syncthreads orders every thread's fence before thread 0's atomicAdd, and the
+// last block's fence after the count it saw orders its later reads after every counted write.
+// Contains __syncthreads.
+__device__ __forceinline__ bool arrive_last(unsigned* counters, int64_t i, unsigned expected, bool wrote) {
+  if (wrote) __threadfence();
+  __syncthreads();
+  bool last = false;
+  if (threadIdx.x == 0) last = atomicAdd(&counters[i], 1u) == expected - 1;
+  if (!__syncthreads_or(last)) return false;
+  if (threadIdx.x == 0) counters[i] = 0;
+  __threadfence();
+  return true;
+}
+
 // ---- thread block clusters (launch_pdl_cluster) ----
 
 // The cluster barrier, split: every thread of every block of the cluster arrives, then waits for

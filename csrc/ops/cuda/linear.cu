@@ -402,17 +402,9 @@ __global__ void __launch_bounds__(WARPS * 32)
   if constexpr (SPLIT) {
     const int splits = gridDim.y;
     float* tile_partials = scratch.partials + int64_t(blockIdx.x) * splits * kTileElems;
-    if (owner) {
-      __stcg(tile_partials + blockIdx.y * kTileElems + tid, sum);
-      __threadfence();  // the partial is visible device-wide before the count says so
-    }
-    __syncthreads();
-    bool last = false;
-    if (tid == 0) last = atomicAdd(&scratch.counters[blockIdx.x], 1u) == unsigned(splits - 1);
-    if (!__syncthreads_or(last)) return;
+    if (owner) __stcg(tile_partials + blockIdx.y * kTileElems + tid, sum);
+    if (!arrive_last(scratch.counters, blockIdx.x, splits, owner)) return;
     // The last block of this tile: every split's partial is written.
-    if (tid == 0) scratch.counters[blockIdx.x] = 0;
-    __threadfence();
     if (owner) {
       float total = 0.0f;
       for (int s = 0; s < splits; ++s)

@@ -1,16 +1,17 @@
 // rms_norm: zero-centred RMSNorm over the last dimension, one block per row,
 //   out = x * rsqrt(mean(x^2) + eps) * (1 + w) (or without a weight: * 1), fp32 math; 16-byte vectors
 //   where alignment allows.
+#include <algorithm>
+
 #include "ops/cuda/backend.cuh"
 
 namespace ocria_rt {
 namespace cuda {
 namespace {
 
-// Row r of a RowView-shaped tensor.
-template <class T> __device__ __forceinline__ T* row_ptr(T* base, int64_t r, int64_t inner, int64_t outer_stride,
-                                                         int64_t cols) {
-  return base + (r / inner) * outer_stride + (r % inner) * cols;
+// Row r of a tensor laid out as v.
+template <class T> __device__ __forceinline__ T* row_ptr(T* base, int64_t r, const RowView& v) {
+  return base + (r / v.inner) * v.outer_stride + (r % v.inner) * v.cols;
 }
 
 // Row packs a thread keeps in registers between the two passes, with their (1 + w): rows of up to
@@ -29,8 +30,8 @@ __global__ void __launch_bounds__(kNormMaxThreads)
   pdl_launch_dependents();
   const int64_t r = blockIdx.x;
   const int D = int(xv.cols), step = blockDim.x * V, c0 = threadIdx.x * V;
-  const T* xr = row_ptr(x, r, xv.inner, xv.outer_stride, xv.cols);
-  T* orow = row_ptr(out, r, ov.inner, ov.outer_stride, ov.cols);
+  const T* xr = row_ptr(x, r, xv);
+  T* orow = row_ptr(out, r, ov);
   const bool has_w = w.ptr != nullptr;
   float w1[kNormHeld][V];  // 1 + w of the held packs
 #pragma unroll
@@ -75,11 +76,6 @@ __global__ void __launch_bounds__(kNormMaxThreads)
   }
 }
 
-int block_for(int64_t cols, int V) {
-  int64_t threads = (cols / V + 31) / 32 * 32;
-  return int(threads < 32 ? 32 : threads > kNormMaxThreads ? kNormMaxThreads : threads);
-}
-
 template <class T>
 void launch_rms_norm(const Tensor& x, const Tensor& out, ParamView w, int64_t D, float eps, const LaunchCtx& ctx,
                      const char* op) {
@@ -90,12 +86,16 @@ void launch_rms_norm(const Tensor& x, const Tensor& out, ParamView w, int64_t D,
   constexpr int V = vec16<T>();
   const bool vec =
       vec_ok(x.data, xv.outer_stride, D, V, sizeof(T)) && vec_ok(out.data, ov.outer_stride, D, V, sizeof(T));
+  // A thread per v-element pack of the row, in whole warps, 32 to kNormMaxThreads of them.
+  auto launch = [&](auto kernel, int v) {
+    const int64_t threads = std::clamp<int64_t>((D / v + 31) / 32 * 32, 32, kNormMaxThreads);
+    launch_pdl(ctx, "rms_norm_kernel", kernel, unsigned(xv.rows), int(threads), 0, x.ptr<const T>(), xv, out.ptr<T>(),
+               ov, w, eps);
+  };
   if (vec)
-    launch_pdl(ctx, "rms_norm_kernel", rms_norm_kernel<T, V>, unsigned(xv.rows), block_for(D, V), 0, x.ptr<const T>(),
-               xv, out.ptr<T>(), ov, w, eps);
+    launch(rms_norm_kernel<T, V>, V);
   else
-    launch_pdl(ctx, "rms_norm_kernel", rms_norm_kernel<T, 1>, unsigned(xv.rows), block_for(D, 1), 0, x.ptr<const T>(),
-               xv, out.ptr<T>(), ov, w, eps);
+    launch(rms_norm_kernel<T, 1>, 1);
 }
 
 }  // namespace
