@@ -366,13 +366,12 @@ class CudaBackend final : public Backend {
   bool attn_fused_ = true;
   int attn_merge_group_ = kDefaultAttnMergeGroup;
   int skinny_ksplit_ = 0;
-  // The skinny GEMM's two launch-shape switches, read from the environment when the backend is
-  // constructed; unset or empty: kSkinnyAuto, the measured choice (linear.cu, launch_skinny).
-  // OCRIA_RT_SKINNY_CLUSTER: 2 or 4 split every tile's K over that many blocks of a thread block
-  // cluster wherever there are few row tiles and no split-K over the grid is asked for; any other
-  // number: never. OCRIA_RT_SKINNY_PERSISTENT: 1 persistent blocks for every shape of many row
-  // tiles, anything else: never.
-  int skinny_cluster_ = kSkinnyAuto;
+  // OCRIA_RT_SKINNY_CLUSTER, read when the backend is constructed: 2 or 4 split every tile's K over
+  // that many blocks of a thread block cluster wherever there are few row tiles and no split-K over
+  // the grid is asked for; unset, empty or any other number: never (linear.cu, skinny_cluster).
+  int skinny_cluster_ = 0;
+  // OCRIA_RT_SKINNY_PERSISTENT, read likewise: 1 persistent blocks for every shape of many row tiles,
+  // anything else: never; unset or empty: kSkinnyAuto, the measured choice (linear.cu, skinny_persistent).
   int skinny_persistent_ = kSkinnyAuto;
   // OCRIA_RT_SKINNY_ROWS: 32 gives a block two row tiles that share their x loads wherever no K is
   // split, 16 never; unset: above 8 tokens without the GLU epilogue (linear.cu, skinny_plan).

@@ -3,7 +3,7 @@
 // Dispatch on M (tokens):
 //  - M <= 16: skinny GEMM that streams W once (decode / speculative verify are memory bound), with
 //    an optional split-K over blocks (off unless OCRIA_RT_SKINNY_KSPLIT asks) or over the blocks of a
-//    thread block cluster (OCRIA_RT_SKINNY_CLUSTER), and persistent blocks for many row tiles
+//    thread block cluster (off unless OCRIA_RT_SKINNY_CLUSTER asks), and persistent blocks for many row tiles
 //    (OCRIA_RT_SKINNY_PERSISTENT); see skinny_gemm_kernel and launch_skinny below.
 //  - M > 16: CUTLASS sm90 TMA/wgmma GEMM (linear_gemm_sm90.cu), bias added by a second kernel.
 //  - anything the two cannot take (K or a stride not a multiple of 8, misaligned views, F32 output
