@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import reference_ops as ref
-from support import relerr
+from support import check_post_mailbox, relerr
 from ocria_rt import _core
 
 TOL = 1e-5
@@ -231,3 +231,7 @@ def test_vision_attention(cpu, heads, hd, lengths):
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     got = cpu.vision_attention(qkv, pos, cu, heads, 10000.0)
     assert relerr(got, ref.vision_attention(qkv, pos, cu, heads, 10000.0)) <= TOL
+
+
+def test_post_mailbox(cpu):
+    check_post_mailbox(cpu)

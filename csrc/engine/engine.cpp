@@ -132,6 +132,8 @@ class EngineImpl final : public Engine {
     backend_->copy_from_host(decode_position_, &n, DType::I32);
     backend_->copy_from_host(decode_rope_position_, rope3, DType::I32);
     backend_->copy_to_host(&pending_, token_);
+    backend_->clear_posts();
+    prompt_tokens_ = n;
     active_ = true;
     returned_ = issued_ = 0;
     prefill_seconds_ = seconds_since(t0);
@@ -144,9 +146,10 @@ class EngineImpl final : public Engine {
     if (k > 0) {
       // A backend that queues work has step k in flight already and gets step k + 1 before the wait
       // for token k, so the device never idles on the host between steps (a generation that stops
-      // early has computed one step more than it returns). Step k + 1 reads into the other slot.
+      // early has computed one step more than it returns). Each step posts its token, tagged with
+      // its sequence index, from inside the graph.
       issue_steps_through(backend_->queues_work() ? std::min(k + 1, max_new_ - 1) : k);
-      pending_ = backend_->read_i32_wait(int(k % Backend::kReadSlots));
+      pending_ = backend_->wait_post_i32(int32_t(prompt_tokens_ + k - 1));
     }
     if (++returned_ == max_new_) active_ = false;
     return pending_;
@@ -261,16 +264,14 @@ class EngineImpl final : public Engine {
   void decode_ops() {
     model_->forward(token_, decode_position_, decode_rope_position_, state_, ws_, /*chunked_gdn=*/false);
     sample_into_token(ws_.normed.rows(0, 1));
+    backend_->post_i32(token_, decode_position_);
     backend_->increment(decode_position_, 1);
     backend_->increment(decode_rope_position_, 1);
   }
 
-  // Queues decode steps issued_ + 1 .. step, each with the read of its token into slot step % 2.
+  // Queues decode steps issued_ + 1 .. step.
   void issue_steps_through(int64_t step) {
-    for (; issued_ < step; ++issued_) {
-      decode_step();
-      backend_->read_i32_async(int((issued_ + 1) % Backend::kReadSlots), token_);
-    }
+    for (; issued_ < step; ++issued_) decode_step();
   }
 
   void decode_step() {
@@ -306,7 +307,7 @@ class EngineImpl final : public Engine {
   SamplerConfig sampler_;
   bool active_ = false;
   int32_t pending_ = 0;
-  int64_t max_new_ = 0;
+  int64_t max_new_ = 0, prompt_tokens_ = 0;
   int64_t returned_ = 0, issued_ = 0;  // tokens of this generation returned; decode steps queued
   double prefill_seconds_ = 0;
 };

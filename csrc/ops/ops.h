@@ -92,14 +92,30 @@ class Backend {
   virtual void fill_zero(const Tensor& t) = 0;
   virtual void synchronize() = 0;
 
-  // ---- reading a sampled token without draining the queue: read_i32_async(slot, src) queues a copy
-  // of the I32 scalar src behind the work issued so far, read_i32_wait(slot) waits for that copy only
-  // and returns the value. Two slots, so a decode step can be queued while the previous one's token is
-  // read. A synchronous backend (queues_work() false) copies at once. ----
-  static constexpr int kReadSlots = 2;
+  // ---- reading sampled tokens without a copy between steps: post_i32(value, tag) queues a write of
+  // the I32 scalar value, stamped with the I32 scalar tag >= 0 (both on the device), into slot
+  // tag % kMailboxSlots of a host mailbox; it may be captured into a graph, so a decode step reports
+  // its token itself. wait_post_i32(tag) waits for that write and returns the value; a tag that is not
+  // in the mailbox once the queue has drained (never posted, or overwritten) is an error, not a hang.
+  // At most kMailboxSlots posts may be waited for at once. clear_posts() drains the queue and empties
+  // the mailbox, so that tags (a generation's positions) may repeat. A synchronous backend
+  // (queues_work() false) copies at once. ----
+  static constexpr int kMailboxSlots = 8;
   virtual bool queues_work() const { return false; }
-  virtual void read_i32_async(int slot, const Tensor& src) { copy_to_host(&read_slots_[slot], src); }
-  virtual int32_t read_i32_wait(int slot) { return read_slots_[slot]; }
+  virtual void post_i32(const Tensor& value, const Tensor& tag) {
+    Post p;
+    copy_to_host(&p.value, value);
+    copy_to_host(&p.tag, tag);
+    if (p.tag >= 0) mailbox_[p.tag % kMailboxSlots] = p;
+  }
+  virtual int32_t wait_post_i32(int32_t tag) {
+    const Post& p = mailbox_[unsigned(tag) % kMailboxSlots];
+    if (tag < 0 || p.tag != tag) throw missing_post(tag);
+    return p.value;
+  }
+  virtual void clear_posts() {
+    for (Post& p : mailbox_) p = Post{};
+  }
 
   // ---- the ops of the Qwen3.5 text decoder ----
 
@@ -275,8 +291,17 @@ class Backend {
   virtual void replay() {}
   virtual int64_t graph_kernels() const { return 0; }  // kernel nodes in the kept graph
 
+ protected:
+  struct Post {
+    int32_t tag = -1, value = 0;  // written value first, tag last
+  };
+  static Error missing_post(int32_t tag) {
+    return Error(ErrorCode::kInternal, "wait_post_i32: no post tagged " + std::to_string(tag) +
+                                           " is in the mailbox (never posted, or overwritten by a later one)");
+  }
+
  private:
-  int32_t read_slots_[kReadSlots] = {0, 0};
+  Post mailbox_[kMailboxSlots];
 };
 
 std::unique_ptr<Backend> make_cpu_backend(int num_threads);

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import reference_ops as ref
-from support import relerr
+from support import check_post_mailbox, relerr
 from ocria_rt import _core
 
 pytestmark = pytest.mark.gpu
@@ -969,3 +969,8 @@ def test_upload_rounds_f32_to_bf16_on_device(gpu, N, D):
     table = np.zeros((1, D), np.float32)
     got = gpu.gather_blend_add(table, np.zeros((N, 1), np.int32), np.zeros((N, 1), np.float32), x, N, D)
     np.testing.assert_array_equal(got, bf16(x))
+
+
+def test_post_mailbox(gpu):
+    """The decode step's token readback: a kernel writes into mapped host memory from inside a graph."""
+    check_post_mailbox(gpu)

@@ -4,8 +4,10 @@
 #include "core/float_convert.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 namespace ocria_rt {
@@ -136,9 +138,9 @@ CudaBackend::CudaBackend(int device_index) : device_(device_index) {
       check_cuda(cudaMallocHost(&staging_[i], kStagingBytes), "cudaMallocHost (staging buffer)");
       check_cuda(cudaEventCreateWithFlags(&staging_done_[i], cudaEventDisableTiming), "cudaEventCreate");
     }
-    check_cuda(cudaMallocHost(&read_slots_host_, kReadSlots * sizeof(int32_t)), "cudaMallocHost (read slots)");
-    for (cudaEvent_t& e : read_done_)
-      check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+    check_cuda(cudaHostAlloc(&mailbox_host_, kMailboxSlots * sizeof(Post), cudaHostAllocMapped), "cudaHostAlloc (mailbox)");
+    check_cuda(cudaHostGetDevicePointer(&mailbox_device_, mailbox_host_, 0), "cudaHostGetDevicePointer (mailbox)");
+    for (int i = 0; i < kMailboxSlots; ++i) mailbox_host_[i] = Post{};
     reserve_workspace(kDefaultWorkspaceBytes);
     check_cuda(cudaMalloc(&splitk_scratch_, kSplitKBytes), "cudaMalloc (split-K scratch)");
     check_cuda(cudaMemsetAsync(splitk_scratch_, 0, kSplitKCounterBytes, stream_), "cudaMemsetAsync (split-K counters)");
@@ -181,12 +183,8 @@ void CudaBackend::free_resources() noexcept {
   splitk_scratch_ = nullptr;
   if (attn_counters_) cudaFree(attn_counters_);
   attn_counters_ = nullptr;
-  if (read_slots_host_) cudaFreeHost(read_slots_host_);
-  read_slots_host_ = nullptr;
-  for (cudaEvent_t& e : read_done_) {
-    if (e) cudaEventDestroy(e);
-    e = nullptr;
-  }
+  if (mailbox_host_) cudaFreeHost(mailbox_host_);
+  mailbox_host_ = mailbox_device_ = nullptr;
   for (int i = 0; i < 2; ++i) {
     if (staging_[i]) cudaFreeHost(staging_[i]);
     if (staging_done_[i]) cudaEventDestroy(staging_done_[i]);
@@ -345,22 +343,54 @@ void CudaBackend::fill_zero(const Tensor& t) {
   }
 }
 
-void CudaBackend::read_i32_async(int slot, const Tensor& src) {
-  OCRIA_RT_REQUIRE(slot >= 0 && slot < kReadSlots, "read_i32_async", "slot " + std::to_string(slot) + " out of range");
-  OCRIA_RT_REQUIRE(src.device == DeviceKind::CUDA && src.dtype == DType::I32 && src.numel() == 1, "read_i32_async",
-                   "expected one I32 element on the device, got " + src.shape_str());
-  OCRIA_RT_REQUIRE(!capturing_, "read_i32_async", "not allowed while a graph is being captured");
+namespace {
+// One post: the value, then (once the value is visible to the host) the tag that announces it.
+__global__ void post_kernel(const int32_t* value, const int32_t* tag, int32_t* mailbox) {
+  cuda::pdl_launch_dependents();
+  cuda::pdl_wait();
+  const int32_t t = *tag;
+  if (t < 0) return;
+  volatile int32_t* slot = mailbox + 2 * (t % Backend::kMailboxSlots);  // {tag, value}
+  slot[1] = *value;
+  __threadfence_system();
+  slot[0] = t;
+}
+}  // namespace
+
+void CudaBackend::post_i32(const Tensor& value, const Tensor& tag) {
+  cuda::require_tensor(value, DType::I32, "post_i32", "value");
+  cuda::require_tensor(tag, DType::I32, "post_i32", "tag");
+  OCRIA_RT_REQUIRE(value.numel() == 1 && tag.numel() == 1, "post_i32",
+                   "expected one I32 value and one I32 tag, got " + value.shape_str() + " and " + tag.shape_str());
   activate();
-  check_cuda(cudaMemcpyAsync(read_slots_host_ + slot, src.data, sizeof(int32_t), cudaMemcpyDeviceToHost, stream_),
-             "cudaMemcpyAsync (read_i32_async)");
-  check_cuda(cudaEventRecord(read_done_[slot], stream_), "cudaEventRecord (read_i32_async)");
+  static_assert(sizeof(Post) == 2 * sizeof(int32_t), "post_kernel writes a Post as {tag, value}");
+  cuda::launch_pdl(launch_ctx(), "post_kernel", post_kernel, 1, 1, 0, value.ptr<int32_t>(), tag.ptr<int32_t>(),
+                   reinterpret_cast<int32_t*>(mailbox_device_));
 }
 
-int32_t CudaBackend::read_i32_wait(int slot) {
-  OCRIA_RT_REQUIRE(slot >= 0 && slot < kReadSlots, "read_i32_wait", "slot " + std::to_string(slot) + " out of range");
+int32_t CudaBackend::wait_post_i32(int32_t tag) {
+  if (tag < 0) throw missing_post(tag);
   activate();
-  check_cuda(cudaEventSynchronize(read_done_[slot]), "cudaEventSynchronize (read_i32_wait)");
-  return read_slots_host_[slot];
+  const volatile Post* slot = mailbox_host_ + tag % kMailboxSlots;
+  // Polls the slot; every 64 polls the stream is asked whether it is still busy, so that a failed
+  // kernel is reported and a tag that will never come is an error rather than a hang.
+  for (int polls = 1;; ++polls) {
+    if (slot->tag == tag) {
+      std::atomic_thread_fence(std::memory_order_acquire);  // the value was written before the tag
+      return slot->value;
+    }
+    if (polls % 64 == 0) {
+      const cudaError_t busy = cudaStreamQuery(stream_);
+      if (busy == cudaSuccess && slot->tag != tag) throw missing_post(tag);
+      if (busy != cudaSuccess && busy != cudaErrorNotReady) check_cuda(busy, "cudaStreamQuery (wait_post_i32)");
+    }
+    std::this_thread::yield();
+  }
+}
+
+void CudaBackend::clear_posts() {
+  synchronize();
+  for (int i = 0; i < kMailboxSlots; ++i) mailbox_host_[i] = Post{};
 }
 
 void CudaBackend::synchronize() {

@@ -296,8 +296,9 @@ class CudaBackend final : public Backend {
   void fill_zero(const Tensor& t) override;
   void synchronize() override;
   bool queues_work() const override { return true; }
-  void read_i32_async(int slot, const Tensor& src) override;
-  int32_t read_i32_wait(int slot) override;
+  void post_i32(const Tensor& value, const Tensor& tag) override;
+  int32_t wait_post_i32(int32_t tag) override;
+  void clear_posts() override;
 
   void embedding(const Tensor& table, const Tensor& ids, const Tensor& out) override;
   void linear(const Tensor& x, const LinearWeight& w, const Tensor& out) override;
@@ -397,9 +398,10 @@ class CudaBackend final : public Backend {
   static_assert(kStagingBytes <= kDefaultWorkspaceBytes, "copy_from_host stages F32 chunks in the workspace");
   void* staging_[2] = {nullptr, nullptr};
   cudaEvent_t staging_done_[2] = {nullptr, nullptr};
-  // read_i32_async's pinned landing slots and the events that mark each copy done
-  int32_t* read_slots_host_ = nullptr;
-  cudaEvent_t read_done_[kReadSlots] = {nullptr, nullptr};
+  // post_i32's mailbox: pinned host memory mapped into the device's address space, which a kernel
+  // writes over PCIe and the host polls
+  Post* mailbox_host_ = nullptr;
+  Post* mailbox_device_ = nullptr;
   bool capturing_ = false;
   cudaGraphExec_t graph_exec_ = nullptr;
   int64_t graph_kernels_ = 0;
