@@ -33,10 +33,10 @@ def load_reference(name: str) -> dict[str, np.ndarray]:
 def check_post_mailbox(runner) -> None:
     """Backend.post_i32 / wait_post_i32 on an OpRunner: steps queued without a wait (replays of one
     captured graph where the backend has graphs) each post (value, tag), then advance both on the
-    device. Waiting returns each tag's own value; the mailbox has 8 slots, so after 12 posts the first
-    4 tags are gone, and waiting for one of them, or for a tag never posted, is an InternalError."""
+    device. Waiting returns each tag's own value. The mailbox has 8 slots, so once 12 posts are done
+    the first 4 tags are gone; waiting for one of them, or for a tag never posted, is an InternalError."""
     assert runner.post_steps(100, 5, 6, [5, 6, 7, 8, 9, 10]) == [100, 103, 106, 109, 112, 115]
-    assert runner.post_steps(7, 0, 12, [11, 4, 8]) == [7 + 3 * 11, 7 + 3 * 4, 7 + 3 * 8]
+    assert runner.post_steps(7, 0, 12, [11, 4, 8], drain=True) == [7 + 3 * 11, 7 + 3 * 4, 7 + 3 * 8]
     for steps, tag in [(12, 3), (3, 3), (3, -1)]:
         with pytest.raises(ocria_rt.errors.InternalError, match=f"no post tagged {tag} "):
-            runner.post_steps(0, 0, steps, [tag])
+            runner.post_steps(0, 0, steps, [tag], drain=True)

@@ -386,10 +386,10 @@ void register_op_runner(py::module_& m) {
         return r.download(out);
       })
       .def("post_steps",
-           [](OpRunner& r, int32_t value, int32_t tag, int64_t steps, const std::vector<int32_t>& wait_tags) {
+           [](OpRunner& r, int32_t value, int32_t tag, int64_t steps, const std::vector<int32_t>& wait_tags, bool drain) {
              // `steps` steps that each post (value, tag) and then advance value by 3 and tag by 1 on the
              // device, captured once and replayed where the backend has graphs, queued without a wait;
-             // then the values waited for under wait_tags, in order.
+             // then (after draining the queue, if `drain`) the values waited for under wait_tags, in order.
              r.be().clear_posts();
              I32Array init(std::vector<py::ssize_t>{2});
              init.mutable_data()[0] = value;
@@ -407,11 +407,12 @@ void register_op_runner(py::module_& m) {
                r.be().end_capture();
              }
              for (int64_t i = 0; i < steps; ++i) graph ? r.be().replay() : step();
+             if (drain) r.be().synchronize();
              std::vector<int32_t> got;
              for (int32_t w : wait_tags) got.push_back(r.be().wait_post_i32(w));
              return got;
            },
-           py::arg("value"), py::arg("tag"), py::arg("steps"), py::arg("wait_tags"))
+           py::arg("value"), py::arg("tag"), py::arg("steps"), py::arg("wait_tags"), py::arg("drain") = false)
       .def("sample", [](OpRunner& r, F32Array logits, float temperature, int32_t top_k, float top_p, uint64_t seed,
                         int32_t step) {
         SamplerConfig c{temperature, top_k, top_p, seed};
