@@ -64,8 +64,9 @@ class EngineImpl final : public Engine {
     logits_ = work_->alloc(backend_->activation_dtype(), {kLogitRows, config_.vocab_size});
     step_ = work_->alloc(DType::I32, {1});
     token_ = work_->alloc(DType::I32, {1});
-    decode_position_ = work_->alloc(DType::I32, {1});
-    decode_rope_position_ = work_->alloc(DType::I32, {1, 3});
+    decode_positions_ = work_->alloc(DType::I32, {4});
+    decode_position_ = decode_positions_.rows(0, 1);
+    decode_rope_position_ = decode_positions_.rows(1, 3).view({1, 3});
     use_graphs_ = opt.cuda_graphs && backend_->supports_graphs();
     backend_->synchronize();
   }
@@ -265,8 +266,7 @@ class EngineImpl final : public Engine {
     model_->forward(token_, decode_position_, decode_rope_position_, state_, ws_, /*chunked_gdn=*/false);
     sample_into_token(ws_.normed.rows(0, 1));
     backend_->post_i32(token_, decode_position_);
-    backend_->increment(decode_position_, 1);
-    backend_->increment(decode_rope_position_, 1);
+    backend_->increment(decode_positions_, 1);
   }
 
   // Queues decode steps issued_ + 1 .. step.
@@ -298,6 +298,7 @@ class EngineImpl final : public Engine {
   Tensor ids_, positions_, rope_positions_, logits_;
   Tensor step_;             // I32 [1]: the sampler's draw counter
   Tensor token_;            // I32 [1]: the last sampled token, input of the next decode step
+  Tensor decode_positions_;      // I32 [4]: the next two, one buffer so that one kernel advances both
   Tensor decode_position_;       // I32 [1]: sequence index (cache row) of the next decode step
   Tensor decode_rope_position_;  // I32 [1, 3]: its (t, h, w) rotary position
   bool use_graphs_ = false, graph_ready_ = false;
