@@ -80,27 +80,33 @@ def kernel_time_by_group(events: list[dict]) -> tuple[dict, float]:
     GPU's finished front, end - max(front, start): overlapping kernels (programmatic dependent launch)
     share an interval once, so the groups' critical-path times plus the idle gaps sum to the span from
     the first kernel's start to the last one's end. Each group also has the same three figures by the
-    kernel that started before (its name without template arguments), in `before`. Returns
-    ({key: {calls, us, crit_us, before: {name: {calls, us, crit_us}}}}, idle_us)."""
+    kernel that started before (its name without template arguments), in `before`; the idle gaps are
+    also summed by the kernels on either side (the one whose end was the front, the one that started:
+    names without template arguments). Returns
+    ({key: {calls, us, crit_us, before: {name: {calls, us, crit_us}}}}, idle_us, {(after, before): us})."""
     ks = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e) for e in events
                 if e.get("ph") == "X" and e.get("cat") == "kernel")
     groups: dict[tuple, dict] = {}
-    front, idle, previous = None, 0.0, ""
+    front, idle, previous, front_name = None, 0.0, "", ""
+    gaps: dict[tuple[str, str], float] = {}
     for start, end, e in ks:
         name = short_kernel_name(e.get("name", "?"))
+        base_name = name.split("<", 1)[0]
         g = groups.setdefault((name, tuple(e.get("args", {}).get("grid", ()))),
                               {"calls": 0, "us": 0.0, "crit_us": 0.0, "before": {}})
         part = g["before"].setdefault(previous, {"calls": 0, "us": 0.0, "crit_us": 0.0})
-        previous = name.split("<", 1)[0]
+        previous = base_name
         crit = end - start if front is None else max(0.0, end - max(front, start))
-        if front is not None:
-            idle += max(0.0, start - front)
-        front = end if front is None else max(front, end)
+        if front is not None and start > front:
+            idle += start - front
+            gaps[(front_name, base_name)] = gaps.get((front_name, base_name), 0.0) + start - front
+        if front is None or end > front:
+            front, front_name = end, base_name
         for s in (g, part):
             s["calls"] += 1
             s["us"] += end - start
             s["crit_us"] += crit
-    return groups, idle
+    return groups, idle, gaps
 
 
 def linears_by_calls(candidates: list[dict], calls: float | None) -> list[dict]:
@@ -175,7 +181,7 @@ def decode_breakdown(eng, prompt: list[int], steps: int, c: dict, bw: float) -> 
         box = {}
         events = profiled_trace_events(lambda: box.update(r=eng.generate(prompt, max_new_tokens=n, stop_token_ids=[])))
         per_run.append((*kernel_time_by_group(events), box["r"]))
-    (base, base_idle, _), (full, full_idle, result) = per_run
+    (base, base_idle, base_gaps, _), (full, full_idle, full_gaps, result) = per_run
     def per_step(g: dict, b: dict) -> dict:  # the decode steps' share: the full run less the prefill's
         return {"calls_per_step": (g["calls"] - b["calls"]) / steps, "us_per_step": (g["us"] - b["us"]) / steps,
                 "crit_us_per_step": (g["crit_us"] - b["crit_us"]) / steps}
@@ -201,6 +207,8 @@ def decode_breakdown(eng, prompt: list[int], steps: int, c: dict, bw: float) -> 
             "kernel_us_per_step": sum(x["us_per_step"] for x in rows),
             "crit_us_per_step": sum(x["crit_us_per_step"] for x in rows),
             "idle_us_per_step": (full_idle - base_idle) / steps,
+            "idle_gaps": sorted(({"after": a, "before": b, "us_per_step": (us - base_gaps.get((a, b), 0.0)) / steps}
+                                 for (a, b), us in full_gaps.items()), key=lambda x: -x["us_per_step"]),
             "ideal_us_per_step": sum(x["ideal_us_per_step"] for x in rows),
             "kernels_per_step": sum(x["calls_per_step"] for x in rows), "groups": rows}
 
@@ -215,9 +223,14 @@ def breakdown_table(b: dict) -> str:
              "% of copy BW": (f"{100 * x['ideal_us_per_step'] / x['crit_us_per_step']:.0f}"
                               if x["bytes_per_step"] and x["crit_us_per_step"] > 0 else "-"),
              "excess us": f"{x['excess_us_per_step']:.1f}"} for x in b["groups"]]
-    rows.append({"work": "idle (no kernel running)", "kernel": "", "grid": "", "after": "", "calls/step": "",
-                 "us/step": "", "critical us/step": f"{b['idle_us_per_step']:.1f}", "MB/step": "",
-                 "us at copy BW": "", "% of copy BW": "", "excess us": f"{b['idle_us_per_step']:.1f}"})
+    idle = [("idle (no kernel running)", "", b["idle_us_per_step"])]
+    # where it is: the largest gaps by the kernels on either side (before -> after in the columns)
+    idle += [("  idle gap", f"{g['after']} -> {g['before']}", g["us_per_step"])
+             for g in b.get("idle_gaps", [])[:4] if g["us_per_step"] >= 0.05]
+    for work, where, us in idle:
+        rows.append({"work": work, "kernel": where, "grid": "", "after": "", "calls/step": "", "us/step": "",
+                     "critical us/step": f"{us:.1f}", "MB/step": "", "us at copy BW": "", "% of copy BW": "",
+                     "excess us": f"{us:.1f}"})
     return markdown_table(rows, list(rows[0].keys()))
 
 

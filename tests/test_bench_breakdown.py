@@ -34,7 +34,7 @@ def test_critical_path_counts_overlap_once_and_idle_apart():
               kernel("void ns::a(int)", 30, 40, (4, 1, 1)),
               kernel("void ns::a(int)", 40, 41, (8, 1, 1)),  # another grid: another group
               {"ph": "X", "cat": "cpu_op", "name": "host", "ts": 0, "dur": 100}]
-    groups, idle = kernel_time_by_group(events)
+    groups, idle, gaps = kernel_time_by_group(events)
     a = groups[("a", (4, 1, 1))]
     assert (a["calls"], a["us"], a["crit_us"]) == (2, 20.0, 20.0)
     # by the kernel that started before: the first a after none, the second after c
@@ -44,6 +44,7 @@ def test_critical_path_counts_overlap_once_and_idle_apart():
     assert groups[("d", (1, 1, 1))]["crit_us"] == 0.0
     assert groups[("c", (1, 1, 1))]["crit_us"] == 5.0 and groups[("a", (8, 1, 1))]["calls"] == 1
     assert idle == 5.0
+    assert gaps == {("b", "c"): 5.0}  # b's end, not d's (which started later but ended first), was the front
     assert sum(g["crit_us"] for g in groups.values()) + idle == 41.0  # the span, first start to last end
 
 
@@ -195,3 +196,7 @@ def test_decode_breakdown_takes_the_prefill_out_and_divides_by_the_steps(monkeyp
     assert g["ideal_us_per_step"] > 0 and g["excess_us_per_step"] == 3.0 - g["ideal_us_per_step"]
     assert rows["embedding_kernel<int>"]["crit_us_per_step"] == 1.0
     assert b["idle_us_per_step"] == 1.0 and b["kernels_per_step"] == 2
+    # the two 1 us gaps: prefill -> first step, then between the steps
+    assert b["idle_gaps"] == [{"after": "gdn_decode_kernel", "before": "embedding_kernel", "us_per_step": 1.0}]
+    table = decode.breakdown_table(b)
+    assert "gdn_decode_kernel -> embedding_kernel" in table and "| idle (no kernel running) |" in table
