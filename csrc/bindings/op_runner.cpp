@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include <cmath>
+#include <functional>
 #include <optional>
 #include <vector>
 
@@ -109,23 +110,27 @@ struct AttentionStep {
   Tensor qkv, qn, kn, pos, rpos, kc, vc, q, out;
 };
 
-// `steps` runs of `step`, as a decode loop runs them: where the backend has graphs, step is captured once
-// and the graph replayed. `out` is poisoned before each run and read back after it: [steps, *out.shape].
+// `step` as a decode loop runs it: where the backend has graphs, captured once here, and the returned
+// callable replays the graph; otherwise the callable runs step.
+template <class Step> std::function<void()> captured_step(OpRunner& r, Step& step) {
+  if (!r.be().supports_graphs()) return [&step] { step(); };
+  r.be().begin_capture();
+  step();
+  r.be().end_capture();
+  return [&r] { r.be().replay(); };
+}
+
+// `steps` runs of `step` (captured_step). `out` is poisoned before each run and read back after it:
+// [steps, *out.shape].
 template <class Step> py::array_t<float> run_steps(OpRunner& r, Step&& step, int64_t steps, const Tensor& out) {
-  const bool graph = r.be().supports_graphs();
-  if (graph) {
-    r.be().begin_capture();
-    step();
-    r.be().end_capture();
-  }
+  const std::function<void()> run = captured_step(r, step);
   std::vector<py::ssize_t> shape{py::ssize_t(steps)};
   for (int d = 0; d < out.ndim; ++d) shape.push_back(py::ssize_t(out.dim(d)));
   py::array_t<float> result(shape);
   const std::vector<float> nan(size_t(out.numel()), NAN);
   for (int64_t i = 0; i < steps; ++i) {
     r.be().copy_from_host(out, nan.data(), DType::F32);
-    if (graph) r.be().replay();
-    else step();
+    run();
     r.be().copy_to_host(result.mutable_data(i), out);
   }
   return result;
@@ -387,8 +392,8 @@ void register_op_runner(py::module_& m) {
       })
       .def("post_steps",
            [](OpRunner& r, int32_t value, int32_t tag, int64_t steps, const std::vector<int32_t>& wait_tags, bool drain) {
-             // `steps` steps that each post (value, tag) and then advance value by 3 and tag by 1 on the
-             // device, captured once and replayed where the backend has graphs, queued without a wait;
+             // `steps` steps (captured_step) that each post (value, tag) and then advance value by 3 and
+             // tag by 1 on the device, queued without a wait;
              // then (after draining the queue, if `drain`) the values waited for under wait_tags, in order.
              r.be().clear_posts();
              I32Array init(std::vector<py::ssize_t>{2});
@@ -400,13 +405,8 @@ void register_op_runner(py::module_& m) {
                r.be().increment(v, 3);
                r.be().increment(t, 1);
              };
-             const bool graph = r.be().supports_graphs();
-             if (graph) {
-               r.be().begin_capture();
-               step();
-               r.be().end_capture();
-             }
-             for (int64_t i = 0; i < steps; ++i) graph ? r.be().replay() : step();
+             const std::function<void()> run = captured_step(r, step);
+             for (int64_t i = 0; i < steps; ++i) run();
              if (drain) r.be().synchronize();
              std::vector<int32_t> got;
              for (int32_t w : wait_tags) got.push_back(r.be().wait_post_i32(w));
