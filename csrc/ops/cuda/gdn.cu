@@ -153,7 +153,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 
   float S[R];
 #pragma unroll
-  for (int r = 0; r < R; ++r) S[r] = col_ok ? Sp[int64_t(r) * dv] : 0.0f;
+  for (int r = 0; r < R; ++r) S[r] = col_ok ? Sp[r * dv] : 0.0f;
 
   int parity = 0;
   for (int tc = 0; tc < n_tokens; tc += kTokChunk) {
@@ -181,7 +181,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
   if (col_ok)
 #pragma unroll
-    for (int r = 0; r < R; ++r) Sp[int64_t(r) * dv] = S[r];
+    for (int r = 0; r < R; ++r) Sp[r * dv] = S[r];
 }
 
 // ---- gdn_gated_norm: out = weight * rmsnorm(o) * silu(z) per (token, value head); one warp per row ----
@@ -215,6 +215,9 @@ __global__ void gated_norm_kernel(const T* __restrict__ o, int64_t ldo_in, const
 // same BF16 roundings (conv output, recurrence output) as the three kernels, hence the same bits.
 // 16 warps: row group rw = warp % 4 and column group cg = warp / 4 hold S rows [rw dk/4, (rw+1) dk/4)
 // of column 32 cg + lane, as the recurrent kernel's 4 warps do for one 32-column slice (dv <= 128).
+// DV > 0: dv = DV at compile time, so that the 2 dk/4 state loads and stores of a thread take
+// immediate offsets and no predicates (with dv at run time, their 64-bit address arithmetic was half
+// the kernel's instructions: H200, ncu, eighteenth session); DV = 0: dv at run time.
 //  1. Thread i < 2 dk + dv convolves channel i of the head (q and k of key head h / (HV/HK), then
 //     the dv v channels of h) over the tokens into xs.
 //  2. Warp t normalises q, k of token t in place and forms its gates.
@@ -237,12 +240,13 @@ static_assert(2 * 128 + kDecMaxDv <= kDecThreads, "a conv channel per thread up 
 // DeltaNet kernel 147 -> 129 us a step; bench/results, fifteenth session).
 constexpr int kDecMaxRegs = 80;
 
-template <int DK>
+template <int DK, int DV>
 __global__ void __maxnreg__(kDecMaxRegs)
     gdn_decode_kernel(const bf16* __restrict__ proj, int64_t ldp, ParamView conv_w, float* __restrict__ conv_state,
                       ParamView A_log, ParamView dt_bias, ParamView norm_w, float* __restrict__ state,
-                      bf16* __restrict__ out, int64_t ldo, int n_tokens, int HK, int HV, int dv, int K, float eps) {
+                      bf16* __restrict__ out, int64_t ldo, int n_tokens, int HK, int HV, int dv_arg, int K, float eps) {
   constexpr int R = DK / kWarps;        // rows of S per thread
+  const int dv = DV > 0 ? DV : dv_arg;
   constexpr int kCh = 2 * DK + kDecMaxDv;
   constexpr int kPer = kDecMaxDv / 32;  // gated-norm elements per lane
   __shared__ __align__(16) float xs[kTokChunk][kCh];  // conv outputs q | k | v (BF16 values); q, k then normalised
@@ -267,14 +271,14 @@ __global__ void __maxnreg__(kDecMaxRegs)
   float nw[kPer];
 #pragma unroll
   for (int m = 0; m < kPer; ++m) nw[m] = lane + 32 * m < dv ? norm_w[lane + 32 * m] : 0.0f;
-  float* Sp = state + int64_t(h) * DK * dv + int64_t(rw * R) * dv + col;
+  float* Sp = state + int64_t(h) * DK * dv + rw * R * dv + col;  // row r of the thread's: Sp[r * dv]
   prefetch_state_rows<R>(Sp - lane, dv, col - lane < dv, lane);
   if (has_ch) prefetch_l2_line(conv_state + ch * (K - 1));
   pdl_wait();  // the weights, A_log, dt_bias are read-only; the rest comes from earlier kernels
 
   float S[R];
 #pragma unroll
-  for (int r = 0; r < R; ++r) S[r] = col_ok ? Sp[int64_t(r) * dv] : 0.0f;
+  for (int r = 0; r < R; ++r) S[r] = col_ok ? Sp[r * dv] : 0.0f;
   // Token `warp`'s z (gated norm) and b, a (gates), fetched now to overlap the state loads.
   float zr[kPer], b_raw = 0.0f, a_raw = 0.0f;
 #pragma unroll
@@ -335,7 +339,7 @@ __global__ void __maxnreg__(kDecMaxRegs)
 
   if (col_ok)
 #pragma unroll
-    for (int r = 0; r < R; ++r) Sp[int64_t(r) * dv] = S[r];
+    for (int r = 0; r < R; ++r) Sp[r * dv] = S[r];
   cluster_wait();  // every block of the cluster has read the old conv state
   if (has_ch && (tid >= 2 * DK || h % group == 0))
     cw.finish(K, [&](int j, float x) { conv_state[ch * (K - 1) + j] = x; });
@@ -1030,11 +1034,13 @@ void CudaBackend::gdn_decode(const Tensor& proj, const Tensor& conv_weight, cons
                        a_log, dtb, nw, state.ptr<float>(), out.ptr<bf16>(), out.row_stride, int(T), int(HK), int(HV),
                        int(dv), int(K), p.norm_eps);
   };
+  // dv = 128 (every Qwen3.5 size) as a compile-time constant; any other dv at run time.
+  const bool dv_full = dv == kDecMaxDv;
   switch (dk) {
-    case 16: launch(gdn_decode_kernel<16>); break;
-    case 32: launch(gdn_decode_kernel<32>); break;
-    case 64: launch(gdn_decode_kernel<64>); break;
-    case 128: launch(gdn_decode_kernel<128>); break;
+    case 16: dv_full ? launch(gdn_decode_kernel<16, kDecMaxDv>) : launch(gdn_decode_kernel<16, 0>); break;
+    case 32: dv_full ? launch(gdn_decode_kernel<32, kDecMaxDv>) : launch(gdn_decode_kernel<32, 0>); break;
+    case 64: dv_full ? launch(gdn_decode_kernel<64, kDecMaxDv>) : launch(gdn_decode_kernel<64, 0>); break;
+    case 128: dv_full ? launch(gdn_decode_kernel<128, kDecMaxDv>) : launch(gdn_decode_kernel<128, 0>); break;
   }
 }
 
