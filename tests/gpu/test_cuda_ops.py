@@ -777,13 +777,13 @@ def test_gdn_gated_norm(cpu, gpu, T, hv, dv):
     assert relerr(gpu.gdn_gated_norm(o, z, w, hv, dv, 1e-6), cpu.gdn_gated_norm(o, z, w, hv, dv, 1e-6)) <= OUT_TOL
 
 
-def gdn_decode_inputs(rng, hk, hv, dk, dv, rows, pad):
+def gdn_decode_inputs(rng, hk, hv, dk, dv, rows, pad, width=4):
     """gdn_decode's inputs: the in_proj output [rows, qkv | z | b | a] with `pad` more columns (the
-    op gets a column range, as from the model's wider buffer), conv weight and state, A_log, dt_bias,
-    the norm weight and the recurrent state."""
+    op gets a column range, as from the model's wider buffer), conv weight [C, width] and state,
+    A_log, dt_bias, the norm weight and the recurrent state."""
     C = 2 * hk * dk + hv * dv
     proj = randn(rng, rows, C + hv * dv + 2 * hv + pad)
-    conv_w, conv_state = randn(rng, C, 4, scale=0.3), randn(rng, C, 3)
+    conv_w, conv_state = randn(rng, C, width, scale=0.3), randn(rng, C, width - 1)
     A_log = np.log(rng.uniform(0.05, 8, hv)).astype(np.float32)
     dt_bias, norm_w = randn(rng, hv, scale=0.1), bf16(1 + randn(rng, dv, scale=0.1))
     state = randn(rng, hv, dk, dv, scale=0.2)
@@ -798,11 +798,11 @@ DECODE_OUT_TOL = 5e-2
 DECODE_STATE_TOL = 5e-3
 
 
-def check_gdn_decode(cpu, gpu, hk, hv, dk, dv, T, calls=3, pad=8):
+def check_gdn_decode(cpu, gpu, hk, hv, dk, dv, T, calls=3, pad=8, width=4):
     """`calls` gdn_decode ops of T tokens back to back from non-zero states, on the GPU fused, on the
     GPU as the three ops, and on the CPU."""
     rng = np.random.default_rng(hk * dk + hv * dv + T)
-    args = gdn_decode_inputs(rng, hk, hv, dk, dv, calls * T, pad)
+    args = gdn_decode_inputs(rng, hk, hv, dk, dv, calls * T, pad, width)
     fused = gpu.gdn_decode(*args, hk, hv, dk, dv, calls, pad, True)
     split = gpu.gdn_decode(*args, hk, hv, dk, dv, calls, pad, False)
     ref = cpu.gdn_decode(*args, hk, hv, dk, dv, calls, pad, True)
@@ -839,6 +839,13 @@ def test_gdn_decode(cpu, gpu, dk, dv, group, T):
 ])
 def test_gdn_decode_shapes(cpu, gpu, hk, hv, dk, dv, T):
     check_gdn_decode(cpu, gpu, hk, hv, dk, dv, T)
+
+
+@pytest.mark.parametrize("width", [2, 3, 6])
+def test_gdn_decode_conv_width(cpu, gpu, width):
+    """Conv widths other than Qwen3.5's 4 at dv = 128: the fused kernel's run-time instantiation
+    (dv = 128 with width 4 has one of its own, with both as constants)."""
+    check_gdn_decode(cpu, gpu, 2, 4, 128, 128, 3, width=width)
 
 
 # ---- sampling: greedy exactly, seeded draws identical to the CPU ----

@@ -17,7 +17,7 @@ __global__ void conv_kernel(const T* __restrict__ x, int64_t ldx, ParamView w, f
                             T* __restrict__ out, int64_t ldo, int T_, int C, int K, bool update_state) {
   pdl_launch_dependents();
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  ConvWindow cw;
+  ConvWindow<> cw;
   cw.load_weights(w, c, K, c < C);
   pdl_wait();  // the weights are read-only; x and the state come from earlier kernels
   if (c >= C) return;

@@ -215,9 +215,10 @@ __global__ void gated_norm_kernel(const T* __restrict__ o, int64_t ldo_in, const
 // same BF16 roundings (conv output, recurrence output) as the three kernels, hence the same bits.
 // 16 warps: row group rw = warp % 4 and column group cg = warp / 4 hold S rows [rw dk/4, (rw+1) dk/4)
 // of column 32 cg + lane, as the recurrent kernel's 4 warps do for one 32-column slice (dv <= 128).
-// DV > 0: dv = DV at compile time, so that the 2 dk/4 state loads and stores of a thread take
-// immediate offsets and no predicates (with dv at run time, their 64-bit address arithmetic was half
-// the kernel's instructions: H200, ncu, eighteenth session); DV = 0: dv at run time.
+// DV = kDecMaxDv and KW = the conv width (Qwen3.5's 128 and 4) at compile time: the dk/4 state
+// loads and stores of a thread take immediate offsets and no column test (with dv at run time, their
+// 64-bit address arithmetic was half the kernel's instructions: H200, ncu, eighteenth session), and
+// the conv window keeps KW registers; DV = KW = 0: both at run time.
 //  1. Thread i < 2 dk + dv convolves channel i of the head (q and k of key head h / (HV/HK), then
 //     the dv v channels of h) over the tokens into xs.
 //  2. Warp t normalises q, k of token t in place and forms its gates.
@@ -230,7 +231,9 @@ __global__ void gated_norm_kernel(const T* __restrict__ o, int64_t ldo_in, const
 // S belong to one block.
 constexpr int kDecThreads = 512;
 constexpr int kDecMaxDv = 128;  // 4 column groups of 32
+static_assert(kDecThreads / 32 / kWarps * 32 == kDecMaxDv, "every column of dv <= kDecMaxDv has its warps");
 constexpr int kDecMaxCluster = 8;  // HV / HK: the portable cluster size
+constexpr int kDecFixedWidth = 4;  // the conv width of the compile-time instantiations
 static_assert(kDecThreads / 32 >= kTokChunk, "a warp per token");
 static_assert(2 * 128 + kDecMaxDv <= kDecThreads, "a conv channel per thread up to dk = 128");
 
@@ -240,13 +243,13 @@ static_assert(2 * 128 + kDecMaxDv <= kDecThreads, "a conv channel per thread up 
 // DeltaNet kernel 147 -> 129 us a step; bench/results, fifteenth session).
 constexpr int kDecMaxRegs = 80;
 
-template <int DK, int DV>
+template <int DK, int DV, int KW>
 __global__ void __maxnreg__(kDecMaxRegs)
     gdn_decode_kernel(const bf16* __restrict__ proj, int64_t ldp, ParamView conv_w, float* __restrict__ conv_state,
                       ParamView A_log, ParamView dt_bias, ParamView norm_w, float* __restrict__ state,
-                      bf16* __restrict__ out, int64_t ldo, int n_tokens, int HK, int HV, int dv_arg, int K, float eps) {
+                      bf16* __restrict__ out, int64_t ldo, int n_tokens, int HK, int HV, int dv_arg, int K_arg, float eps) {
   constexpr int R = DK / kWarps;        // rows of S per thread
-  const int dv = DV > 0 ? DV : dv_arg;
+  const int dv = DV > 0 ? DV : dv_arg, K = KW > 0 ? KW : K_arg;
   constexpr int kCh = 2 * DK + kDecMaxDv;
   constexpr int kPer = kDecMaxDv / 32;  // gated-norm elements per lane
   __shared__ __align__(16) float xs[kTokChunk][kCh];  // conv outputs q | k | v (BF16 values); q, k then normalised
@@ -257,7 +260,7 @@ __global__ void __maxnreg__(kDecMaxRegs)
   pdl_launch_dependents();
   const int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int rw = warp % kWarps, cg = warp / kWarps, col = 32 * cg + lane;
-  const bool col_ok = col < dv;
+  const bool col_ok = DV == kDecMaxDv || col < dv;  // (col < kDecMaxDv always)
   const int group = HV / HK, hk = h / group;
   const int64_t C = 2 * int64_t(HK) * DK + int64_t(HV) * dv, vdim = int64_t(HV) * dv;
   const bool has_ch = tid < 2 * DK + dv;  // this thread's conv channel: q | k of key head hk, v of h
@@ -265,7 +268,7 @@ __global__ void __maxnreg__(kDecMaxRegs)
                      : tid < 2 * DK ? int64_t(HK + hk) * DK + (tid - DK)
                                     : 2 * int64_t(HK) * DK + int64_t(h) * dv + (tid - 2 * DK);
   const bool has_tok = warp < n_tokens;  // warp t forms the gates and the gated norm of token t
-  ConvWindow cw;
+  ConvWindow<(KW > 0 ? KW : kConvMaxWidth)> cw;
   cw.load_weights(conv_w, ch, K, has_ch);
   const float neg_A = -__expf(A_log[h]), dtb = dt_bias[h];
   float nw[kPer];
@@ -1034,13 +1037,13 @@ void CudaBackend::gdn_decode(const Tensor& proj, const Tensor& conv_weight, cons
                        a_log, dtb, nw, state.ptr<float>(), out.ptr<bf16>(), out.row_stride, int(T), int(HK), int(HV),
                        int(dv), int(K), p.norm_eps);
   };
-  // dv = 128 (every Qwen3.5 size) as a compile-time constant; any other dv at run time.
-  const bool dv_full = dv == kDecMaxDv;
+  // dv = 128 and a conv width of 4 (every Qwen3.5 size) as compile-time constants; others at run time.
+  const bool fixed = dv == kDecMaxDv && K == kDecFixedWidth;
   switch (dk) {
-    case 16: dv_full ? launch(gdn_decode_kernel<16, kDecMaxDv>) : launch(gdn_decode_kernel<16, 0>); break;
-    case 32: dv_full ? launch(gdn_decode_kernel<32, kDecMaxDv>) : launch(gdn_decode_kernel<32, 0>); break;
-    case 64: dv_full ? launch(gdn_decode_kernel<64, kDecMaxDv>) : launch(gdn_decode_kernel<64, 0>); break;
-    case 128: dv_full ? launch(gdn_decode_kernel<128, kDecMaxDv>) : launch(gdn_decode_kernel<128, 0>); break;
+    case 16: fixed ? launch(gdn_decode_kernel<16, kDecMaxDv, kDecFixedWidth>) : launch(gdn_decode_kernel<16, 0, 0>); break;
+    case 32: fixed ? launch(gdn_decode_kernel<32, kDecMaxDv, kDecFixedWidth>) : launch(gdn_decode_kernel<32, 0, 0>); break;
+    case 64: fixed ? launch(gdn_decode_kernel<64, kDecMaxDv, kDecFixedWidth>) : launch(gdn_decode_kernel<64, 0, 0>); break;
+    case 128: fixed ? launch(gdn_decode_kernel<128, kDecMaxDv, kDecFixedWidth>) : launch(gdn_decode_kernel<128, 0, 0>); break;
   }
 }
 
