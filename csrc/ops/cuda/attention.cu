@@ -388,23 +388,34 @@ __device__ __forceinline__ void store_warp_state(WarpStates<GM, 32 * E>& ws, con
   }
 }
 
-// The warps merged for head g, element d: M = max_w m_w, L = sum_w l_w 2^(m_w - M),
-// A = sum_w acc_w 2^(m_w - M). A warp without rows has m = -inf and weight 0; warp 0 always has row
-// `start`, so M is finite.
-template <int GM, int HD>
-__device__ __forceinline__ void merge_warps(const WarpStates<GM, HD>& ws, int g, int d, float& M, float& L, float& A) {
-  M = -INFINITY;
+// The warps' states merged for head g: M = max_w m_w, L = sum_w l_w f_w and, for element d,
+// A = sum_w acc_w f_w, with f_w = 2^(m_w - M). A warp without rows has m = -inf and weight 0; warp 0
+// always has row `start`, so M is finite. weigh(g) forms M, L and the f_w once per head; the threads
+// then take the head's elements.
+template <int GM, int HD> struct WarpMerge {
+  const WarpStates<GM, HD>& ws;
+  int g = -1;
+  float M, L, f[kAttnWarps];
+
+  __device__ __forceinline__ void weigh(int head) {
+    g = head;
+    M = -INFINITY;
 #pragma unroll
-  for (int w = 0; w < kAttnWarps; ++w) M = fmaxf(M, ws.m[w][g]);
-  L = 0.0f;
-  A = 0.0f;
+    for (int w = 0; w < kAttnWarps; ++w) M = fmaxf(M, ws.m[w][g]);
+    L = 0.0f;
 #pragma unroll
-  for (int w = 0; w < kAttnWarps; ++w) {
-    const float f = exp2f(ws.m[w][g] - M);
-    L = fmaf(ws.l[w][g], f, L);
-    A = fmaf(ws.acc[w][g][d], f, A);
+    for (int w = 0; w < kAttnWarps; ++w) {
+      f[w] = exp2f(ws.m[w][g] - M);
+      L = fmaf(ws.l[w][g], f[w], L);
+    }
   }
-}
+  __device__ __forceinline__ float acc(int d) const {
+    float A = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kAttnWarps; ++w) A = fmaf(ws.acc[w][g][d], f[w], A);
+    return A;
+  }
+};
 
 template <int E, int GM>
 __global__ void __launch_bounds__(kAttnWarps * 32)
@@ -433,10 +444,11 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
                      start, end, warp, lane, m, l, acc);
   store_warp_state<E, GM>(ws, m, l, acc, warp, lane);
   __syncthreads();
+  WarpMerge<GM, HD> merge{ws};
   for (int idx = threadIdx.x; idx < G * HD; idx += blockDim.x) {
     const int g = idx / HD, d = idx % HD, h = kvh * G + g;
-    float M, L, A;
-    merge_warps(ws, g, d, M, L, A);
+    if (g != merge.g) merge.weigh(g);  // warp-uniform (HD is a multiple of 32)
+    const float M = merge.M, L = merge.L, A = merge.acc(d);
     if (nsplit == 1) {
       const float gate = __bfloat162float(qkv[int64_t(t) * ldqkv + int64_t(h) * 2 * HD + HD + d]);
       out[int64_t(t) * ldo + int64_t(h) * HD + d] = __float2bfloat16_rn(A / L * sigmoid(gate));
@@ -678,10 +690,11 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   store_warp_state<E, GM>(ws, m, l, acc, warp, lane);
   __syncthreads();
   const bf16* gate = qkv + HD;  // q head h's gate: gate + h * 2 HD
+  WarpMerge<GM, HD> merge{ws};
   for (int idx = threadIdx.x; idx < G * HD; idx += blockDim.x) {
     const int g = idx / HD, d = idx % HD, h = kvh * G + g;
-    float M, L, A;
-    merge_warps(ws, g, d, M, L, A);
+    if (g != merge.g) merge.weigh(g);  // warp-uniform (HD is a multiple of 32)
+    const float M = merge.M, L = merge.L, A = merge.acc(d);
     if (active == 1) {
       out[int64_t(h) * HD + d] = __float2bfloat16_rn(A / L * sigmoid(__bfloat162float(gate[int64_t(h) * 2 * HD + d])));
     } else {
