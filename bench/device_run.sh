@@ -5,7 +5,9 @@
 #   bench/device_run.sh OUT_DIR [tests|kernels|decode|vision|all|ncu ...]
 #
 # ncu (not part of all): decode steps under Nsight Compute, bench/ncu_step.py (NCU_ARGS for its `run`,
-# e.g. "--shape qwen3.5-0.8b"); needs a runtime with hardware counters.
+# e.g. "--shape qwen3.5-0.8b"); needs a runtime with hardware counters. With NCU_KERNELS (a regex of
+# kernel names, e.g. "gdn_decode|attention_decode"), also the first NCU_LAUNCHES (default 4) launches
+# of those kernels with the full set and the source counters: ncu-source.md, their hottest instructions.
 # Extra benchmark arguments: DECODE_ARGS, VISION_ARGS, KERNELS_ARGS, TEST_ARGS (pytest; default: the whole suite),
 # TEST_K (a pytest -k expression, spaces allowed);
 # build parallelism: CMAKE_BUILD_PARALLEL_LEVEL; OCRIA_RT_SKIP_BUILD=1 uses what an earlier run installed.
@@ -54,6 +56,14 @@ if [[ " $STEPS " == *" ncu "* ]]; then
     --section Occupancy --section WarpStateStats --csv --page raw --log-file "$OUT_DIR/ncu.csv" \
     python3 bench/ncu_step.py run ${NCU_ARGS:-} > "$OUT_DIR/ncu.log" 2>&1 || tail -20 "$OUT_DIR/ncu.log"
   python3 bench/ncu_step.py summarize "$OUT_DIR/ncu.csv" --out "$OUT_DIR/ncu.md" 2>&1 | head -40
+  if [ -n "${NCU_KERNELS:-}" ]; then
+    ${NCU:-ncu} --clock-control none --profile-from-start off --graph-profiling node --set full --import-source yes \
+      --warp-sampling-interval 0 -k "regex:$NCU_KERNELS" --launch-count "${NCU_LAUNCHES:-4}" -f -o "$OUT_DIR/ncu-kernels" \
+      python3 bench/ncu_step.py run ${NCU_ARGS:-} > "$OUT_DIR/ncu-kernels.log" 2>&1 || tail -20 "$OUT_DIR/ncu-kernels.log"
+    ${NCU:-ncu} -i "$OUT_DIR/ncu-kernels.ncu-rep" --page details > "$OUT_DIR/ncu-kernels-details.txt" 2>&1
+    ${NCU:-ncu} -i "$OUT_DIR/ncu-kernels.ncu-rep" --page source --csv --print-source sass > "$OUT_DIR/ncu-source.csv" 2>&1
+    python3 bench/ncu_step.py source "$OUT_DIR/ncu-source.csv" --out "$OUT_DIR/ncu-source.md" 2>&1 | head -30
+  fi
 fi
 if has_step decode; then
   python3 bench/decode.py "$OUT_DIR/decode.json" ${DECODE_ARGS:-} 2>&1 | tee "$OUT_DIR/decode.log" | tail -20

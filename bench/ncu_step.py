@@ -13,6 +13,19 @@ overlap programmatic dependent launch gives in the real step; the counters are w
 machine whose runtime has no hardware counters (gVisor, /work/.library/device/KINDS.md) ncu fails.
 `summarize` groups the rows by kernel name and launch grid and prints a Markdown table, slowest
 groups first.
+
+Where the time goes inside a kernel: profile a few launches of it with the full set and the source
+counters, then `source` reads ncu's per-instruction export (warp stall samples, instructions executed):
+
+    ncu --clock-control none --profile-from-start off --graph-profiling node --set full \
+        --import-source yes --warp-sampling-interval 0 -k regex:"gdn_decode" --launch-count 2 \
+        -o OUT/k python3 bench/ncu_step.py run
+    ncu -i OUT/k.ncu-rep --page source --csv --print-source sass > OUT/k-source.csv
+    python3 bench/ncu_step.py source OUT/k-source.csv --out OUT/k-source.md
+
+It prints, per profiled launch, the warp instructions executed, the stall reasons summed over the
+kernel and the instructions that hold the most samples (each with its top two reasons): instructions
+executed say where the issue slots go, samples where the warps wait.
 """
 
 from __future__ import annotations
@@ -120,6 +133,47 @@ def summarize(args: argparse.Namespace) -> None:
     print(text)
 
 
+def source_sections(text: str) -> list[tuple[str, list[str], list[list[str]]]]:
+    """(kernel name, header, instruction rows) per launch of ncu's --page source --csv export."""
+    lines = text.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith('"Kernel Name"')]
+    sections = []
+    for n, i in enumerate(starts):
+        name = next(csv.reader([lines[i]]))[1]
+        body = list(csv.reader(lines[i + 1:starts[n + 1] if n + 1 < len(starts) else len(lines)]))
+        sections.append((name, body[0], [r for r in body[1:] if len(r) == len(body[0])]))
+    return sections
+
+
+def source_report(text: str, top: int = 12) -> str:
+    out = []
+    for name, header, rows in source_sections(text):
+        samples, executed = header.index("Warp Stall Sampling (All Samples)"), header.index("Instructions Executed")
+        reasons = [i for i, h in enumerate(header) if h.startswith("stall_") and "Not Issued" not in h]
+        total = sum(int(r[samples]) for r in rows) or 1
+        by_reason = sorted(((sum(int(r[i]) for r in rows), header[i][len("stall_"):]) for i in reasons), reverse=True)
+        out.append(f"### {short_kernel_name(name)}\n")
+        out.append(f"{len(rows)} SASS instructions, {sum(int(r[executed]) for r in rows)} warp instructions "
+                   f"executed, {total} stall samples: "
+                   + ", ".join(f"{reason} {100 * n / total:.0f}%" for n, reason in by_reason[:6]) + "\n")
+        hot = sorted(range(len(rows)), key=lambda i: -int(rows[i][samples]))[:top]
+        table = []
+        for i in sorted(hot):
+            r = rows[i]
+            why = sorted(((int(r[j]), header[j][len("stall_"):]) for j in reasons), reverse=True)[:2]
+            table.append({"#": i, "instruction": r[1].strip()[:60], "samples %": round(100 * int(r[samples]) / total, 1),
+                          "executed": r[executed], "top stalls": ", ".join(f"{w} {n}" for n, w in why if n)})
+        out.append(markdown_table(table, ["#", "instruction", "samples %", "executed", "top stalls"]) + "\n")
+    return "\n".join(out)
+
+
+def source(args: argparse.Namespace) -> None:
+    text = source_report(Path(args.csv).read_text(), args.top)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -131,11 +185,12 @@ def main() -> None:
     s = sub.add_parser("summarize", help="a Markdown table from ncu's --csv --page raw log")
     s.add_argument("csv", type=Path)
     s.add_argument("--out", type=Path)
+    c = sub.add_parser("source", help="the hottest instructions from ncu's --page source --csv export")
+    c.add_argument("csv", type=Path)
+    c.add_argument("--top", type=int, default=12, help="instructions shown per launch")
+    c.add_argument("--out", type=Path)
     args = ap.parse_args()
-    if args.cmd == "run":
-        run(args)
-    else:
-        summarize(args)
+    {"run": run, "summarize": summarize, "source": source}[args.cmd](args)
 
 
 if __name__ == "__main__":

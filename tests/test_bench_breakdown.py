@@ -129,6 +129,31 @@ def test_ncu_summary_groups_kernels_and_ranks_stalls():
     assert table[1]["top stalls (per issue)"].startswith("barrier 7.0")
 
 
+def test_ncu_source_report_ranks_instructions_by_samples():
+    """bench/ncu_step.py source: per section of ncu's --page source --csv export, the executed
+    instructions summed, the stall reasons as shares of the samples, the hottest instructions in
+    program order with their two largest reasons."""
+    from ncu_step import source_report
+
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
+              "stall_barrier", "stall_long_sb", "stall_wait", "stall_long_sb (Not Issued)"]
+    rows = [["0x0", "  LDG.E R2, [R4.64]", "10", "512", "0", "0", "10", "0"],
+            ["0x10", "  BAR.SYNC 0x0", "60", "512", "50", "5", "5", "40"],
+            ["0x20", "  FFMA R1, R2, R3, R1", "30", "1024", "0", "30", "0", "30"]]
+    kernel = "void ocria_rt::cuda::(anonymous namespace)::gdn_decode_kernel<128, 128, 4>(float*)"
+    section = lambda k, rs: "\n".join(",".join(f'"{c}"' for c in r) for r in [["Kernel Name", k], header] + rs)
+    text = section(kernel, rows) + "\n" + section(kernel.replace("gdn_decode", "attention_decode"), rows[:1])
+    report = source_report(text, top=2)
+    first, second = report.split("### ")[1:]
+    assert first.startswith("gdn_decode_kernel<128, 128, 4>")
+    assert "2048 warp instructions executed, 100 stall samples: barrier 50%, long_sb 35%, wait 15%" in first
+    assert "LDG.E" not in first  # not among the top 2
+    assert first.index("BAR.SYNC") < first.index("FFMA")  # program order
+    assert "| 1 | BAR.SYNC 0x0 | 60.0 | 512 | barrier 50, wait 5 |" in first
+    assert "| 2 | FFMA R1, R2, R3, R1 | 30.0 | 1024 | long_sb 30 |" in first
+    assert second.startswith("attention_decode_kernel") and "wait 100%" in second
+
+
 def test_one_kernel_for_three_projections_splits_by_the_kernel_before_it():
     """The 4B's o_proj, out_proj and down are one kernel on one grid (cluster split-K, 320 blocks):
     their row splits into one row per linear by what ran before each call, each with its own bytes."""
