@@ -45,7 +45,7 @@ from decode import short_kernel_name  # noqa: E402
 # ncu --page raw column names (metric name and unit row), as the sections above report them.
 COLUMNS = {
     "us": "gpu__time_duration.sum",
-    "DRAM BW %": "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    "DRAM BW %": "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
     "L2 %": "lts__throughput.avg.pct_of_peak_sustained_elapsed",
     "SM %": "sm__throughput.avg.pct_of_peak_sustained_elapsed",
     "occupancy %": "sm__warps_active.avg.pct_of_peak_sustained_active",

@@ -112,7 +112,7 @@ def test_ncu_summary_groups_kernels_and_ranks_stalls():
     from ncu_step import ncu_rows, summary_rows
 
     stall, per = "smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"
-    header = ["ID", "Kernel Name", "Grid Size", "gpu__time_duration.sum", "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    header = ["ID", "Kernel Name", "Grid Size", "gpu__time_duration.sum", "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
               stall + "long_scoreboard" + per, stall + "barrier" + per, stall + "wait" + per]
     units = ["", "", "", "nsecond", "%", "", "", ""]
     k1 = "void ocria_rt::cuda::(anonymous namespace)::rms_norm_kernel<__nv_bfloat16, 8, true>(__nv_bfloat16*, int)"
