@@ -23,9 +23,10 @@ counters, then `source` reads ncu's per-instruction export (warp stall samples, 
     ncu -i OUT/k.ncu-rep --page source --csv --print-source sass > OUT/k-source.csv
     python3 bench/ncu_step.py source OUT/k-source.csv --out OUT/k-source.md
 
-It prints, per profiled launch, the warp instructions executed, the stall reasons summed over the
-kernel and the instructions that hold the most samples (each with its top two reasons): instructions
-executed say where the issue slots go, samples where the warps wait.
+It prints, per section of the export (ncu writes at least one per profiled launch), the warp
+instructions executed, the stall reasons summed over the kernel and the instructions that hold the
+most samples (each with its top two reasons): instructions executed say where the issue slots go,
+samples where the warps wait.
 """
 
 from __future__ import annotations
@@ -123,18 +124,22 @@ def summary_rows(header: list[str], rows: list[dict]) -> list[dict]:
     return table
 
 
+def report(text: str, out: Path | None) -> None:
+    """Prints a report and, with --out, writes it there too."""
+    if out:
+        out.write_text(text + "\n")
+    print(text)
+
+
 def summarize(args: argparse.Namespace) -> None:
     table = summary_rows(*ncu_rows(Path(args.csv).read_text()))
     cols = ["kernel", "grid", "calls", "us", "total us", "DRAM BW %", "L2 %", "SM %", "occupancy %", "regs",
             "top stalls (per issue)"]
-    text = markdown_table(table, cols)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    print(text)
+    report(markdown_table(table, cols), args.out)
 
 
 def source_sections(text: str) -> list[tuple[str, list[str], list[list[str]]]]:
-    """(kernel name, header, instruction rows) per launch of ncu's --page source --csv export."""
+    """(kernel name, header, instruction rows) per section of ncu's --page source --csv export."""
     lines = text.splitlines()
     starts = [i for i, line in enumerate(lines) if line.startswith('"Kernel Name"')]
     sections = []
@@ -168,10 +173,7 @@ def source_report(text: str, top: int = 12) -> str:
 
 
 def source(args: argparse.Namespace) -> None:
-    text = source_report(Path(args.csv).read_text(), args.top)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    print(text)
+    report(source_report(Path(args.csv).read_text(), args.top), args.out)
 
 
 def main() -> None:
@@ -187,7 +189,7 @@ def main() -> None:
     s.add_argument("--out", type=Path)
     c = sub.add_parser("source", help="the hottest instructions from ncu's --page source --csv export")
     c.add_argument("csv", type=Path)
-    c.add_argument("--top", type=int, default=12, help="instructions shown per launch")
+    c.add_argument("--top", type=int, default=12, help="instructions shown per section")
     c.add_argument("--out", type=Path)
     args = ap.parse_args()
     {"run": run, "summarize": summarize, "source": source}[args.cmd](args)
