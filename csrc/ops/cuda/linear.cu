@@ -111,6 +111,13 @@ template <int WARPS, int U, int S, int RT> constexpr int skinny_ring_bytes() {
 template <int WARPS, int NT, int U, int S, int CS, int RT> constexpr int skinny_smem_bytes() {
   return skinny_ring_bytes<WARPS, U, S, RT>() + (CS - 1) * 16 * 8 * NT * int(sizeof(float));
 }
+// How many stages ahead of its use a thread loads x (into that many register sets). Its loads queue
+// behind the weight bytes the SM has in flight, (S - 1) stages of them, so one stage ahead is not
+// enough: ncu put a quarter of in_proj's stall samples at 1 token on the move of the x registers
+// (long scoreboard), and a third at 16 tokens on the mma that reads them (H200, bench/results,
+// twentieth session). The 8-warp blocks of one token tile load 3 ahead (a thread stays within the 80
+// registers of 3 blocks per SM); the others, whose registers are spent, keep 1.
+template <int WARPS, int NT> constexpr int skinny_x_ahead() { return WARPS == 8 && NT == 1 ? 3 : 1; }
 // The K range [0, kpre) of the stages issued before pdl_wait().
 template <int WARPS, int U, int S> constexpr int skinny_prologue_k() { return (S - 1) * U * WARPS * 32; }
 
@@ -316,11 +323,13 @@ __global__ void __launch_bounds__(WARPS * 32)
   for (int s = 0; s < S - 1; ++s) issue(s);
   if (tid < BR && pf_bytes > 0 && n0 + tid < N)
     prefetch_l2(w + int64_t(n0 + tid) * ldw + c_lo * 32 + skinny_prologue_k<WARPS, U, S>(), pf_bytes);
-  // x one stage ahead (see the top of the file): stage st + 1's loads go out before stage st's
-  // products.
+  // x XD stages ahead (see the top of the file): stage st + XD's loads go out before stage st's
+  // products, into the register set stage st frees (set st % XD; the loop below is unrolled by XD so
+  // that the set is a compile-time index).
   const uint4 zero = make_uint4(0, 0, 0, 0);
-  uint4 xnext[U][NT];
-  auto load_x = [&](int st) {
+  constexpr int XD = skinny_x_ahead<WARPS, NT>();
+  uint4 xq[XD][U][NT];
+  auto load_x = [&](int st, uint4 (&xnext)[U][NT]) {
     const int it = PERSIST ? st % iters : st;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -332,7 +341,8 @@ __global__ void __launch_bounds__(WARPS * 32)
     }
   };
   pdl_wait();  // earlier kernels have completed: x may be read, out written
-  load_x(0);
+#pragma unroll
+  for (int d = 0; d < XD; ++d) load_x(d, xq[d]);
   if constexpr (kResidualAhead) {
     if (tid < kTileElems && n0 + row < N && tok < M && int(blockIdx.x) % CS == 0)
       residual[0] = to_float(out[int64_t(tok) * ldo + n0 + row]);
@@ -341,13 +351,13 @@ __global__ void __launch_bounds__(WARPS * 32)
         residual[1] = to_float(out[int64_t(tok) * ldo + n0 + 16 + row]);
     }
   }
-  for (int st = 0; st < stages; ++st) {
+  auto run_stage = [&](int st, uint4 (&xnext)[U][NT]) {
     uint4 xv[U][NT];  // this stage's x
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
       for (int j = 0; j < NT; ++j) xv[u][j] = xnext[u][j];
-    load_x(st + 1);
+    load_x(st + XD, xnext);
     cp_async_wait<S - 2>();  // stage `st` has landed
     issue(st + S - 1);       // refills the slot read in the previous iteration
     const uint4* slot = wring + (st % S) * U * R * NTH + tid;
@@ -377,6 +387,15 @@ __global__ void __launch_bounds__(WARPS * 32)
         __syncthreads();  // `red` is read before the next tile writes it
         clear_acc();
       }
+    }
+  };
+  if constexpr (XD == 1) {
+    for (int st = 0; st < stages; ++st) run_stage(st, xq[0]);
+  } else {
+    for (int st0 = 0; st0 < stages; st0 += XD) {
+#pragma unroll
+      for (int d = 0; d < XD; ++d)
+        if (st0 + d < stages) run_stage(st0 + d, xq[d]);
     }
   }
   cp_async_wait<0>();
