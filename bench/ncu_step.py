@@ -23,6 +23,14 @@ counters, then `source` reads ncu's per-instruction export (warp stall samples, 
     ncu -i OUT/k.ncu-rep --page source --csv --print-source sass > OUT/k-source.csv
     python3 bench/ncu_step.py source OUT/k-source.csv --out OUT/k-source.md
 
+One decode GEMM instead of a step: `linear M N K OP` runs KernelBench's graph of back-to-back calls
+of that op (bench/kernels.py's shapes; OP as KernelBench.linear takes it), e.g. OCRia-1's in_proj at 16
+tokens, its 13th launch:
+
+    ncu --clock-control none --graph-profiling node -k regex:skinny_gemm --launch-skip 12 --launch-count 1 \
+        --set full --import-source yes --warp-sampling-interval 0 -o OUT/k \
+        python3 bench/ncu_step.py linear 16 12352 2560 rms_norm_linear
+
 It prints, per section of the export (ncu writes at least one per profiled launch), the warp
 instructions executed, the stall reasons summed over the kernel and the instructions that hold the
 most samples (each with its top two reasons): instructions executed say where the issue slots go,
@@ -78,6 +86,13 @@ def run(args: argparse.Namespace) -> None:
     torch.cuda.profiler.stop()
     for _ in tokens:
         pass
+
+
+def linear(args: argparse.Namespace) -> None:
+    from ocria_rt import _core
+
+    us = _core.KernelBench("cuda").linear(args.M, args.N, args.K, args.op, iters=8, reps=2)
+    print(f"{args.op} M={args.M} N={args.N} K={args.K}: {min(us):.2f} us a call (unprofiled replays)")
 
 
 def number(s: str) -> float | None:
@@ -184,6 +199,11 @@ def main() -> None:
     r.add_argument("--prompt", type=int, default=1024)
     r.add_argument("--steps", type=int, default=2)
     r.add_argument("--workdir", type=Path, default=Path("/tmp/ocria-bench"))
+    g = sub.add_parser("linear", help="one decode GEMM shape to start under ncu (KernelBench.linear)")
+    g.add_argument("M", type=int)
+    g.add_argument("N", type=int)
+    g.add_argument("K", type=int)
+    g.add_argument("op", choices=["linear", "linear_glu", "rms_norm_linear", "rms_norm_linear_glu", "linear_add"])
     s = sub.add_parser("summarize", help="a Markdown table from ncu's --csv --page raw log")
     s.add_argument("csv", type=Path)
     s.add_argument("--out", type=Path)
@@ -192,7 +212,7 @@ def main() -> None:
     c.add_argument("--top", type=int, default=12, help="instructions shown per section")
     c.add_argument("--out", type=Path)
     args = ap.parse_args()
-    {"run": run, "summarize": summarize, "source": source}[args.cmd](args)
+    {"run": run, "linear": linear, "summarize": summarize, "source": source}[args.cmd](args)
 
 
 if __name__ == "__main__":
