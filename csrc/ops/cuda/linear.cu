@@ -392,7 +392,7 @@ __global__ void __launch_bounds__(WARPS * 32)
       }
     }
   };
-  if constexpr (XD == 1) {
+  if constexpr (XD == 1) {  // the plain loop (unrolled by 1, some instantiations took more registers)
     for (int st = 0; st < stages; ++st) run_stage(st, xq[0]);
   } else {
     for (int st0 = 0; st0 < stages; st0 += XD) {
