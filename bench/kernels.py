@@ -1,14 +1,15 @@
 """Kernel benchmarks of the CUDA backend on OCRia-1 (Qwen3.5-4B text) shapes, each beside its ceiling.
 
     python bench/kernels.py OUT.json [--reps 10] [--skip-prefill] [--ksplit-sweep 2,3,4,6,8] [--cluster-sweep 2,4]
-                                     [--persistent] [--rows-sweep 16,32]
+                                     [--persistent] [--rows-sweep 16,32] [--sweep-shapes o_proj,down]
 
 - linear, decode / verify (M = 1..16 tokens): achieved bandwidth (weight bytes + activations) against
   the measured device-to-device copy bandwidth (bytes read + written per second); --ksplit-sweep adds
   M = 1 / 16 with the skinny GEMM's split-K forced to each listed count (OCRIA_RT_SKINNY_KSPLIT), and
   --cluster-sweep with its K split over each listed number of blocks of a cluster (OCRIA_RT_SKINNY_CLUSTER),
   --persistent with persistent blocks (OCRIA_RT_SKINNY_PERSISTENT=1; the shapes of many row tiles),
-  --rows-sweep with block tiles of each listed height (OCRIA_RT_SKINNY_ROWS);
+  --rows-sweep with block tiles of each listed height (OCRIA_RT_SKINNY_ROWS); --sweep-shapes limits
+  the sweeps to the shapes whose names hold one of the listed pieces;
 - linear, prefill (M = 8192): TFLOP/s against torch.matmul (cuBLAS) on the same shapes, same run;
 - Gated DeltaNet recurrence per layer at T = 1 and 16, against the time to read and write the fp32
   state once; GDN prefill (the chunked kernels) at T = 1k / 4k / 8k beside the token-serial
@@ -193,6 +194,9 @@ def main() -> None:
     ap.add_argument("--cluster-sweep", default="",
                     help="comma-separated blocks per cluster of the skinny GEMM's cluster split-K to time at M = 1 / 16 "
                          "(2,4; it applies to the shapes of few row tiles, N = 2560)")
+    ap.add_argument("--sweep-shapes", default="",
+                    help="comma-separated pieces of shape names (e.g. 'o_proj,down'): the sweeps time only the "
+                         "linear shapes whose name holds one of them (default: all)")
     ap.add_argument("--attention-contexts", default=",".join(map(str, ATTN_CONTEXTS)),
                     help="comma-separated context lengths of the T = 1 attention table (default %(default)s)")
     args = ap.parse_args()
@@ -233,6 +237,8 @@ def main() -> None:
     print(markdown_table(rows, ["shape", "M", "N", "K", "us", "TB/s", "of copy BW"]))
 
     # ---- linear, M = 1 / 16 with the skinny GEMM's experimental switches (--ksplit-sweep, --cluster-sweep, --persistent) ----
+    pieces = [p.strip() for p in args.sweep_shapes.split(",") if p.strip()]
+    sweep_shapes = [shape for shape in LINEAR_SHAPES if not pieces or any(p in shape[0] for p in pieces)]
     for flag, var, key, title in (
             (args.ksplit_sweep, "OCRIA_RT_SKINNY_KSPLIT", "ksplit", "split-K over the grid forced (capped by K and the scratch)"),
             (args.cluster_sweep, "OCRIA_RT_SKINNY_CLUSTER", "cluster", "split-K over the blocks of a cluster"),
@@ -244,7 +250,7 @@ def main() -> None:
         rows = []
         for k in sweep:
             kb_k = kernel_bench_with_env(_core, var, k)
-            for name, N, K, op in LINEAR_SHAPES:
+            for name, N, K, op in sweep_shapes:
                 for M in (1, 16):
                     nbytes = linear_bytes(M, N, K, op)
                     us = med(kb_k.linear(M, N, K, op, iters=iters_for(nbytes / bw), reps=args.reps))
