@@ -177,6 +177,11 @@ def device_name() -> str:
         return "unknown"
 
 
+def comma_items(text: str) -> list[str]:
+    """The non-empty, stripped items of a comma-separated argument."""
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path, help="JSON output path")
@@ -237,14 +242,14 @@ def main() -> None:
     print(markdown_table(rows, ["shape", "M", "N", "K", "us", "TB/s", "of copy BW"]))
 
     # ---- linear, M = 1 / 16 with the skinny GEMM's experimental switches (--ksplit-sweep, --cluster-sweep, --persistent) ----
-    pieces = [p.strip() for p in args.sweep_shapes.split(",") if p.strip()]
+    pieces = comma_items(args.sweep_shapes)
     sweep_shapes = [shape for shape in LINEAR_SHAPES if not pieces or any(p in shape[0] for p in pieces)]
     for flag, var, key, title in (
             (args.ksplit_sweep, "OCRIA_RT_SKINNY_KSPLIT", "ksplit", "split-K over the grid forced (capped by K and the scratch)"),
             (args.cluster_sweep, "OCRIA_RT_SKINNY_CLUSTER", "cluster", "split-K over the blocks of a cluster"),
             ("1" if args.persistent else "", "OCRIA_RT_SKINNY_PERSISTENT", "persistent", "persistent blocks"),
             (args.rows_sweep, "OCRIA_RT_SKINNY_ROWS", "rows", "block tiles of this many rows")):
-        sweep = [k.strip() for k in flag.split(",") if k.strip()]
+        sweep = comma_items(flag)
         if not sweep or args.skip_linear:
             continue
         rows = []
