@@ -112,7 +112,7 @@ CudaBackend::CudaBackend(int device_index) : device_(device_index) {
   const char* ksplit_env = std::getenv("OCRIA_RT_SKINNY_KSPLIT");
   skinny_ksplit_ = ksplit_env ? std::max(0, std::atoi(ksplit_env)) : 0;
   const char* cluster_env = std::getenv("OCRIA_RT_SKINNY_CLUSTER");
-  skinny_cluster_ = cluster_env ? std::max(0, std::atoi(cluster_env)) : 0;
+  skinny_cluster_ = cluster_env && *cluster_env ? std::max(0, std::atoi(cluster_env)) : kSkinnyAuto;
   const char* persistent_env = std::getenv("OCRIA_RT_SKINNY_PERSISTENT");
   skinny_persistent_ = persistent_env && *persistent_env ? int(std::strcmp(persistent_env, "1") == 0) : kSkinnyAuto;
   const char* rows_env = std::getenv("OCRIA_RT_SKINNY_ROWS");

@@ -369,8 +369,9 @@ class CudaBackend final : public Backend {
   int skinny_ksplit_ = 0;
   // OCRIA_RT_SKINNY_CLUSTER, read when the backend is constructed: 2 or 4 split every tile's K over
   // that many blocks of a thread block cluster wherever there are few row tiles and no split-K over
-  // the grid is asked for; unset, empty or any other number: never (linear.cu, skinny_cluster).
-  int skinny_cluster_ = 0;
+  // the grid is asked for; any other number: never; unset or empty: kSkinnyAuto, 2 above 8 tokens
+  // (linear.cu, skinny_cluster).
+  int skinny_cluster_ = kSkinnyAuto;
   // OCRIA_RT_SKINNY_PERSISTENT, read likewise: 1 persistent blocks for every shape of many row tiles,
   // anything else: never; unset or empty: kSkinnyAuto, the measured choice (linear.cu, skinny_persistent).
   int skinny_persistent_ = kSkinnyAuto;

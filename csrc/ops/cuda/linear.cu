@@ -3,7 +3,7 @@
 // Dispatch on M (tokens):
 //  - M <= 16: skinny GEMM that streams W once (decode / speculative verify are memory bound), with
 //    an optional split-K over blocks (off unless OCRIA_RT_SKINNY_KSPLIT asks) or over the blocks of a
-//    thread block cluster (off unless OCRIA_RT_SKINNY_CLUSTER asks), and persistent blocks for many row tiles
+//    thread block cluster (above 8 tokens, or as OCRIA_RT_SKINNY_CLUSTER asks), and persistent blocks for many row tiles
 //    (OCRIA_RT_SKINNY_PERSISTENT); see skinny_gemm_kernel and launch_skinny below.
 //  - M > 16: CUTLASS sm90 TMA/wgmma GEMM (linear_gemm_sm90.cu), bias added by a second kernel.
 //  - anything the two cannot take (K or a stride not a multiple of 8, misaligned views, F32 output
@@ -620,16 +620,21 @@ int skinny_ksplit(int tiles, int nchunks, int mode) {
 }
 
 // Cluster split-K, the blocks of a cluster per tile (1: none): `mode` is the backend's
-// OCRIA_RT_SKINNY_CLUSTER (2 or 4 ask for it, anything else, unset included, does not), taken for few
-// row tiles (`wide`, below) when no split-K over the grid is asked for and every block gets at least
-// one 32-wide chunk. Off by default: for the 4B's N = 2560 (160 tiles on 132 SMs, where one block per
-// tile leaves some SMs with twice the bytes of the others) 2 blocks per tile measured faster once
-// (eighth session: 355.2 against 346.9 tokens/s), and slower in every same-build A/B since x is loaded a
-// stage ahead and the residual adds moved into the linears (fourteenth session: 0.3% and 1.5% slower;
-// sixteenth, three alternating runs: 392.2-393.5 tokens/s with, 395.5-395.8 without); for the 0.8B's
-// N = 1024 (64 tiles) slower too (1059 against 1107), and 4 blocks slower everywhere (H200, bench/results).
-int skinny_cluster(bool wide, int ksplit, int nchunks, int mode) {
-  return wide && ksplit == 1 && (mode == 2 || mode == 4) && nchunks >= mode ? mode : 1;
+// OCRIA_RT_SKINNY_CLUSTER (2 or 4 ask for it, 0 or any other number never; unset: kSkinnyAuto, the
+// measured choice), taken for few row tiles (`wide`, below) when no split-K over the grid is asked for
+// and every block gets at least one 32-wide chunk. Auto: 2 blocks above 8 tokens (the speculative
+// verify regime), where at 16 tokens o_proj / out_proj took 9.42 against 10.98 us and MLP down 17.14
+// against 21.27 alone (H200, bench/results, twenty-first session; as the default 9.23 and 16.92, twenty-second); none for up to 8, the decode step:
+// for the 4B's N = 2560 (160 tiles on 132 SMs, where one block per tile leaves some SMs with twice the
+// bytes of the others) 2 blocks per tile measured faster once (eighth session: 355.2 against 346.9
+// tokens/s), and slower in every same-build A/B of the step since x is loaded a stage ahead and the
+// residual adds moved into the linears (fourteenth session: 0.3% and 1.5% slower; sixteenth, three
+// alternating runs: 392.2-393.5 tokens/s with, 395.5-395.8 without), although down alone is faster with
+// them (13.4 against 15.6 us); for the 0.8B's N = 1024 (64 tiles) slower too (1059 against 1107), and 4
+// blocks slower everywhere.
+int skinny_cluster(bool wide, int ksplit, int nchunks, int M, int mode) {
+  const int cs = mode == CudaBackend::kSkinnyAuto ? (M > 8 ? 2 : 1) : mode;
+  return wide && ksplit == 1 && (cs == 2 || cs == 4) && nchunks >= cs ? cs : 1;
 }
 
 // Persistent blocks for the shapes of many row tiles: `mode` is the backend's
@@ -655,7 +660,7 @@ SkinnyPlan skinny_plan(int N, int K, int M, bool glu, int sm_count, int ksplit_m
   const int tiles = (N + 15) / 16, nchunks = (K + 31) / 32;
   p.ksplit = skinny_ksplit(tiles, nchunks, ksplit_mode);
   p.wide = int64_t(tiles) * p.ksplit < 4 * sm_count;
-  p.cs = skinny_cluster(p.wide, p.ksplit, nchunks, cluster_mode);
+  p.cs = skinny_cluster(p.wide, p.ksplit, nchunks, M, cluster_mode);
   p.persist = p.cs == 1 && p.ksplit == 1 && !p.wide && skinny_persistent(tiles, sm_count, persistent_mode);
   const bool two_rows = rows_mode == CudaBackend::kSkinnyAuto ? M > 8 && !glu : rows_mode == 32;
   p.rt = two_rows && p.cs == 1 && p.ksplit == 1 ? 2 : 1;
