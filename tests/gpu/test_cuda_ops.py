@@ -329,8 +329,9 @@ def test_linear_add(cpu, gpu_with_env, M, K, N, env, with_bias):
 # ---- block tiles of two row tiles (OCRIA_RT_SKINNY_ROWS=32): the same sums as 16-row blocks ----
 
 # M, K, N: one and two token tiles; OCRIA-1's in_proj and gate_up (persistent blocks), N = 2560 and
-# 1024 (16 warps; clusters turned off, which these shapes take above 8 tokens), 8-warp blocks of many tiles, an odd N (a partial last
-# row tile, and N = 999 a partial second row tile of the last block), K not a multiple of 32.
+# 1024 (16 warps; clusters, which these shapes take above 8 tokens, turned off), 8-warp blocks of many
+# tiles, an odd N (a partial last row tile, and N = 999 a partial second row tile of the last block),
+# K not a multiple of 32.
 ROWS32_CASES = [(1, 2560, 12352), (16, 2560, 18432), (9, 2560, 2560), (5, 3584, 1024), (3, 1000, 999),
                 (12, 2632, 10007), (16, 256, 250), (1, 264, 40016)]
 

@@ -3,8 +3,8 @@
 // Dispatch on M (tokens):
 //  - M <= 16: skinny GEMM that streams W once (decode / speculative verify are memory bound), with
 //    an optional split-K over blocks (off unless OCRIA_RT_SKINNY_KSPLIT asks) or over the blocks of a
-//    thread block cluster (above 8 tokens, or as OCRIA_RT_SKINNY_CLUSTER asks), and persistent blocks for many row tiles
-//    (OCRIA_RT_SKINNY_PERSISTENT); see skinny_gemm_kernel and launch_skinny below.
+//    thread block cluster (above 8 tokens, or as OCRIA_RT_SKINNY_CLUSTER asks), and persistent blocks
+//    for many row tiles (OCRIA_RT_SKINNY_PERSISTENT); see skinny_gemm_kernel and launch_skinny below.
 //  - M > 16: CUTLASS sm90 TMA/wgmma GEMM (linear_gemm_sm90.cu), bias added by a second kernel.
 //  - anything the two cannot take (K or a stride not a multiple of 8, misaligned views, F32 output
 //    for M > 16): a simple shared-memory tiled kernel.
@@ -624,14 +624,14 @@ int skinny_ksplit(int tiles, int nchunks, int mode) {
 // measured choice), taken for few row tiles (`wide`, below) when no split-K over the grid is asked for
 // and every block gets at least one 32-wide chunk. Auto: 2 blocks above 8 tokens (the speculative
 // verify regime), where at 16 tokens o_proj / out_proj took 9.42 against 10.98 us and MLP down 17.14
-// against 21.27 alone (H200, bench/results, twenty-first session; as the default 9.23 and 16.92, twenty-second); none for up to 8, the decode step:
-// for the 4B's N = 2560 (160 tiles on 132 SMs, where one block per tile leaves some SMs with twice the
-// bytes of the others) 2 blocks per tile measured faster once (eighth session: 355.2 against 346.9
-// tokens/s), and slower in every same-build A/B of the step since x is loaded a stage ahead and the
-// residual adds moved into the linears (fourteenth session: 0.3% and 1.5% slower; sixteenth, three
-// alternating runs: 392.2-393.5 tokens/s with, 395.5-395.8 without), although down alone is faster with
-// them (13.4 against 15.6 us); for the 0.8B's N = 1024 (64 tiles) slower too (1059 against 1107), and 4
-// blocks slower everywhere.
+// against 21.27 alone (H200, bench/results, twenty-first session; as the default 9.23 and 16.92,
+// twenty-second). None for up to 8 tokens, the decode step: for the 4B's N = 2560 (160 tiles on 132
+// SMs, where one block per tile leaves some SMs with twice the bytes of the others) 2 blocks per tile
+// measured faster once (eighth session: 355.2 against 346.9 tokens/s), and slower in every same-build
+// A/B of the step since x is loaded a stage ahead and the residual adds moved into the linears
+// (fourteenth session: 0.3% and 1.5% slower; sixteenth, three alternating runs: 392.2-393.5 tokens/s
+// with, 395.5-395.8 without), although down alone is faster with them (13.4 against 15.6 us); for the
+// 0.8B's N = 1024 (64 tiles) slower too (1059 against 1107), and 4 blocks slower everywhere.
 int skinny_cluster(bool wide, int ksplit, int nchunks, int M, int mode) {
   const int cs = mode == CudaBackend::kSkinnyAuto ? (M > 8 ? 2 : 1) : mode;
   return wide && ksplit == 1 && (cs == 2 || cs == 4) && nchunks >= cs ? cs : 1;
@@ -647,7 +647,8 @@ bool skinny_persistent(int tiles, int sm_count, int mode) {
 
 // The launch of an [N, K] weight: split-K over the grid only when asked for; few blocks (N = 2560
 // without split-K: 160 tiles on 132 SMs) cannot keep enough bytes in flight with 8 warps per block,
-// so they get 16 warps (or, asked for, cluster split-K); persistent blocks for many tiles (no split-K).
+// so they get 16 warps (above 8 tokens, or as asked for, cluster split-K instead); persistent blocks
+// for many tiles (no split-K).
 // Two row tiles per block (x loaded once for 32 rows of W) wherever no K is split, for more than 8
 // tokens and no GLU epilogue: at 16 tokens the LM head streams at 91% of copy bandwidth instead of 71%
 // and attention's qkv at 63% instead of 59%, while gate_up's GLU store falls from 69% to 60% and at
