@@ -894,6 +894,24 @@ def test_seeded_sampling_matches_cpu(cpu, gpu, temperature, top_k, top_p, V):
         np.testing.assert_array_equal(gt, ct, err_msg=f"trial {trial}: seed {seed}")
 
 
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (1.0, 0, 0.5), (0.9, 100000, 1.0)])
+def test_seeded_sampling_of_tied_rows_matches_cpu(cpu, gpu, temperature, top_k, top_p):
+    """Rows whose logits are all equal but for a few: the first-level bin that decides the draw holds
+    nearly the whole vocabulary, more than the fast path sorts, so the radix descent resolves it (the
+    ties in index order). The configurations above mostly take the fast path."""
+    rng = np.random.default_rng(17)
+    R, V = 3, 248320
+    for trial in range(3):
+        logits = np.zeros((R, V), dtype=np.float32)
+        hot = rng.choice(V, size=64, replace=False)
+        logits[:, hot] = randn(rng, R, 64, scale=2.0)
+        seed, step = 50 + trial, 5 * trial
+        gt, gs = gpu.sample(logits, temperature, top_k, top_p, seed, step)
+        ct, cs = cpu.sample(logits, temperature, top_k, top_p, seed, step)
+        assert gs == cs == step + R
+        np.testing.assert_array_equal(gt, ct, err_msg=f"trial {trial}: seed {seed}")
+
+
 def test_sampling_distribution_on_gpu(gpu):
     """Many rows of the same logits: token frequencies follow the kept, renormalised distribution."""
     logits = np.array([2.0, 1.5, 1.0, 0.2, -0.5, -1.0], dtype=np.float32)

@@ -18,11 +18,14 @@
 //    greedy: greedy_kernel reduces the block results to the token.
 //  2 exp_kernel      q = exp((x - max) / T) into the workspace, block sums (double); u of the row.
 //  3 hist_kernel     p = q / total; histogram of the top 12 key bits (counts, fixed-point sums).
-//  4 compact_kernel  finds the bin where the top_k / top_p cut falls; if the candidates up to and
-//                    including it are at most kCap, appends them (unordered) to a list.
-//  5 select_kernel   fast path: sorts the list and resolves cut and draw exactly. Otherwise (flat
-//                    distributions with large top_k / top_p, or plain temperature sampling) a radix
-//                    descent over the workspace in one block, 12 bits per level.
+//  4 compact_kernel  finds the bins the fast path sorts (gather_range): with a top_k / top_p cut, all
+//                    bins through the one where the cut falls, or that bin alone where they hold more
+//                    than kCap candidates; without a cut, the bin the draw lands in. If they hold at
+//                    most kCap candidates, appends them (unordered) to a list.
+//  5 select_kernel   fast path: sorts the list and resolves cut and draw exactly (a draw that lands
+//                    before a lone cut bin: one level of the descent below). Otherwise (flat
+//                    distributions, whose bins hold more than kCap candidates) a radix descent over
+//                    the workspace in one block, 12 bits per level.
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -418,33 +421,75 @@ __global__ void __launch_bounds__(kPassThreads)
   }
 }
 
-// The bin of the first-level histogram where the top_k / top_p cut falls (kBins - 1 without a cut),
-// and the number of candidates up to and including it. Shared by compact_kernel and select_kernel.
-__device__ int cut_bin(const uint32_t* hc, const u64* hs, int V, int top_k, u64 thr_p, bool use_p, u64& n_through) {
-  u64 ec, es;
+// target = floor(mass * u24 / 2^24), exactly (mass < 2^54).
+__device__ __forceinline__ u64 draw_target(u64 mass, float u) {
+  const u64 m = u64(u * 16777216.0f);
+  const u64 lo = mass * m, hi = __umul64hi(mass, m);
+  return (hi << 40) | (lo >> 24);
+}
+
+// Count and fixed-point sum of the bins [lo, hi], in every thread.
+__device__ void bin_totals(const uint32_t* hc, const u64* hs, int lo, int hi, u64& cnt, u64& sum) {
+  uint32_t c = 0;
+  u64 s = 0;
+  for (int i = lo + int(threadIdx.x); i <= hi; i += blockDim.x) {
+    c += hc[i];
+    s += hs[i];
+  }
+  uint32_t ce, ct;
+  u64 se, st;
+  block_scan2(c, s, ce, se, ct, st);
+  cnt = ct;
+  sum = st;
+}
+
+// The bins [lo, hi] of the first-level histogram whose candidates the fast path sorts, computed alike
+// by compact_kernel (which gathers them when they are at most kCap) and select_kernel. With a top_k /
+// top_p cut, hi is the bin where the cut falls and lo is 0 (every kept candidate, where they are few)
+// or hi (the cut bin alone: the cut and the mass are resolved there, and a draw that lands in an
+// earlier bin is found by one pass of the descent). Without a cut the mass is every candidate's, so
+// the draw's target is known from the histogram and lo = hi is the bin it lands in.
+struct GatherRange {
+  int lo = 0, hi = 0;
+  bool cut = false;
+  u64 n = 0;         // candidates in bins [lo, hi]; above kCap: the radix descent decides
+  u64 base_cnt = 0;  // candidates before bin lo
+  u64 base_sum = 0;  // their fixed-point sum
+  u64 mass = 0;      // without a cut: the total mass
+};
+
+__device__ GatherRange gather_range(const uint32_t* hc, const u64* hs, int V, int top_k, u64 thr_p, bool use_p,
+                                    float u) {
+  GatherRange g;
+  u64 kc = 0, ks = 0, pc = 0, ps = 0, sum;
   int bk = INT_MAX, bp = INT_MAX;
   if (top_k > 0 && top_k < V) {
-    const int fb = first_bin(hc, hs, kCountGE, u64(top_k), 0, 0, ec, es);
+    const int fb = first_bin(hc, hs, kCountGE, u64(top_k), 0, 0, kc, ks);
     if (fb >= 0) bk = fb;
   }
   if (use_p) {
-    const int fb = first_bin(hc, hs, kSumGE, thr_p, 0, 0, ec, es);
+    const int fb = first_bin(hc, hs, kSumGE, thr_p, 0, 0, pc, ps);
     if (fb >= 0) bp = fb;
   }
-  int cb = min(bk, bp);
-  if (cb == INT_MAX) cb = kBins - 1;
-  // Candidates through the cut bin: count of bins [0, cb] (first_bin with "count >= V" semantics
-  // would need another scan; a direct block sum is as cheap).
-  __shared__ u64 s_n;
-  if (threadIdx.x == 0) s_n = 0;
-  __syncthreads();
-  u64 c = 0;
-  for (int i = threadIdx.x; i <= cb; i += blockDim.x) c += hc[i];
-  atomicAdd(&s_n, c);
-  __syncthreads();
-  n_through = s_n;
-  __syncthreads();
-  return cb;
+  g.cut = min(bk, bp) != INT_MAX;
+  if (g.cut) {
+    g.hi = min(bk, bp);
+    bin_totals(hc, hs, 0, g.hi, g.n, sum);
+    if (g.n <= u64(kCap)) return g;
+    g.lo = g.hi;
+    g.base_cnt = bk <= bp ? kc : pc;
+    g.base_sum = bk <= bp ? ks : ps;
+  } else {
+    u64 all;
+    bin_totals(hc, hs, 0, kBins - 1, all, g.mass);
+    g.lo = g.hi = first_bin(hc, hs, kSumGT, draw_target(g.mass, u), 0, 0, g.base_cnt, g.base_sum);
+    if (g.lo < 0) {  // cannot happen (the target lies below the mass): leave it to the descent
+      g.n = ~0ull;
+      return g;
+    }
+  }
+  g.n = hc[g.lo];
+  return g;
 }
 
 __global__ void __launch_bounds__(kPassThreads)
@@ -460,14 +505,27 @@ __global__ void __launch_bounds__(kPassThreads)
     hs[i] = ws.hsum[int64_t(r) * kBins + i];
   }
   __syncthreads();
-  u64 n;
-  const int cb = cut_bin(hc, hs, V, top_k, thr_p, use_p, n);
-  if (n > u64(kCap)) return;  // select_kernel takes the slow path
+  const GatherRange g = gather_range(hc, hs, V, top_k, thr_p, use_p, ws.u[r]);
+  if (g.n > u64(kCap)) return;  // select_kernel takes the slow path
+  // Appends the members of bins [lo, hi], one atomicAdd per warp and iteration.
   const float* p = ws.prob + int64_t(r) * V;
-  const int lo = b * chunk, hi = min(V, lo + chunk);
-  for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-    const u64 key = make_key(p[i], i, f.ib);
-    if (key_digit(key, f, 0) <= cb) ws.cand[int64_t(r) * kCap + atomicAdd(&ws.ncand[r], 1u)] = key;
+  const int lo = b * chunk, hi = min(V, lo + chunk), lane = threadIdx.x & 31;
+  for (int i0 = lo; i0 < hi; i0 += blockDim.x) {
+    const int i = i0 + threadIdx.x;
+    u64 key = 0;
+    bool take = false;
+    if (i < hi) {
+      key = make_key(p[i], i, f.ib);
+      const int d = key_digit(key, f, 0);
+      take = d >= g.lo && d <= g.hi;
+    }
+    const unsigned mask = __ballot_sync(0xffffffffu, take);
+    if (mask == 0) continue;
+    const int leader = __ffs(mask) - 1;
+    uint32_t slot = 0;
+    if (lane == leader) slot = atomicAdd(&ws.ncand[r], uint32_t(__popc(mask)));
+    slot = __shfl_sync(0xffffffffu, slot, leader) + __popc(mask & ((1u << lane) - 1));
+    if (take) ws.cand[int64_t(r) * kCap + slot] = key;
   }
 }
 
@@ -536,13 +594,6 @@ __device__ Found find_first(const float* __restrict__ p, int V, const KeyFormat&
   return Found{0, 0, 0, false};
 }
 
-// target = floor(mass * u24 / 2^24), exactly (mass < 2^54).
-__device__ __forceinline__ u64 draw_target(u64 mass, float u) {
-  const u64 m = u64(u * 16777216.0f);
-  const u64 lo = mass * m, hi = __umul64hi(mass, m);
-  return (hi << 40) | (lo >> 24);
-}
-
 __global__ void __launch_bounds__(kSelectThreads)
     select_kernel(int V, SampleWs ws, KeyFormat f, int top_k, u64 thr_p, bool use_p, int32_t* __restrict__ tokens,
                   int32_t* __restrict__ step, int R) {
@@ -563,21 +614,35 @@ __global__ void __launch_bounds__(kSelectThreads)
     hs[i] = h0s[i];
   }
   __syncthreads();
-  u64 n_through;
-  cut_bin(hc, hs, V, top_k, thr_p, use_p, n_through);
+  const GatherRange g = gather_range(hc, hs, V, top_k, thr_p, use_p, u);
   int token;
-  if (n_through <= u64(kCap)) {
-    // Fast path: the candidates [0, n) are a prefix of the order (compact_kernel gathered them).
+  if (g.n <= u64(kCap)) {
+    // Fast path: compact_kernel gathered the candidates of bins [lo, hi], ranks base_cnt + 1 .. of
+    // the order once sorted. With a cut, the first L of them are the last kept ones, and their sums
+    // give the mass.
     const int n = int(ws.ncand[r]);
     for (int i = threadIdx.x; i < n; i += blockDim.x) keys[i] = ws.cand[int64_t(r) * kCap + i];
     __syncthreads();
     bitonic_sort(keys, n);
-    prefix_sums(keys, cum, n, 0, f.ib);
-    int L = int(min(k_eff, u64(n)));
-    if (use_p) L = min(L, first_position(cum, n, kSumGE, thr_p, 0) + 1);
-    const u64 target = draw_target(cum[L - 1], u);
-    const int pick = min(first_position(cum, L, kSumGT, target, 0), L - 1);
-    token = int(keys[pick] & ((u64(1) << f.ib) - 1));
+    prefix_sums(keys, cum, n, g.base_sum, f.ib);
+    int L = n;
+    u64 mass = g.mass;
+    if (g.cut) {
+      L = int(min(k_eff - g.base_cnt, u64(n)));
+      if (use_p) L = min(L, first_position(cum, n, kSumGE, thr_p, 0) + 1);
+      mass = cum[L - 1];
+    }
+    const u64 target = draw_target(mass, u);
+    if (target >= g.base_sum) {  // the draw lands in the list
+      const int pick = min(first_position(cum, L, kSumGT, target, 0), L - 1);
+      token = int(keys[pick] & ((u64(1) << f.ib) - 1));
+    } else {  // in a bin before the cut bin: kept, and found as the descent finds it
+      const float* p = ws.prob + int64_t(r) * V;
+      const u64 last = keys[L - 1];
+      __syncthreads();  // keys is the descent's scratch
+      const Found pk = find_first(p, V, f, hc, hs, keys, cum, h0c, h0s, kSumGT, target);
+      token = int((pk.ok ? pk.key : last) & ((u64(1) << f.ib) - 1));
+    }
   } else {
     // Slow path: radix descents over the whole row.
     const float* p = ws.prob + int64_t(r) * V;
