@@ -382,7 +382,8 @@ def main() -> None:
     # ---- sampling ----
     rows = []
     for label, temp, k, p in [("greedy", 0.0, 0, 1.0), ("T=0.7 top_k=50 top_p=0.95", 0.7, 50, 0.95),
-                              ("T=1 (no cut)", 1.0, 0, 1.0)]:
+                              ("T=1 (no cut)", 1.0, 0, 1.0), ("T=0.3 (no cut)", 0.3, 0, 1.0),
+                              ("T=1 top_p=0.9", 1.0, 0, 0.9)]:
         us = med(kb.sample(1, V, temp, k, p, iters=20, reps=args.reps))
         r = {"sampler": label, "V": V, "us": round(us, 1)}
         rows.append(r)
