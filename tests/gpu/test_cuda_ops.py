@@ -874,10 +874,18 @@ SAMPLE_CONFIGS = [
     (0.8, 40, 0.95),
     (1.0, 1, 1.0),
     (1.0, 5000, 1.0),  # a large top-k: the fast path sorts thousands of candidates
-    (1.0, 0, 1.0),  # plain temperature sampling: the radix-descent path
-    (2.0, 0, 0.999),  # a flat distribution cut deep: also the descent path
+    (1.0, 0, 1.0),  # plain temperature sampling: only the bin the draw lands in is sorted
+    (2.0, 0, 0.999),  # a flat distribution cut deep: the cut bin alone, the draw mostly before it
     (1.0, 100000, 0.5),
 ]
+
+
+def check_seeded_draws(cpu, gpu, logits, temperature, top_k, top_p, seed, step):
+    """The GPU draws the CPU's tokens for every row and advances the step counter as it does."""
+    gt, gs = gpu.sample(logits, temperature, top_k, top_p, seed, step)
+    ct, cs = cpu.sample(logits, temperature, top_k, top_p, seed, step)
+    assert gs == cs == step + len(logits)
+    np.testing.assert_array_equal(gt, ct, err_msg=f"seed {seed}, step {step}")
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", SAMPLE_CONFIGS)
@@ -887,11 +895,7 @@ def test_seeded_sampling_matches_cpu(cpu, gpu, temperature, top_k, top_p, V):
     R = 3
     for trial in range(4):
         logits = randn(rng, R, V, scale=2.5)
-        seed, step = 1000 + trial, 7 * trial
-        gt, gs = gpu.sample(logits, temperature, top_k, top_p, seed, step)
-        ct, cs = cpu.sample(logits, temperature, top_k, top_p, seed, step)
-        assert gs == cs == step + R
-        np.testing.assert_array_equal(gt, ct, err_msg=f"trial {trial}: seed {seed}")
+        check_seeded_draws(cpu, gpu, logits, temperature, top_k, top_p, 1000 + trial, 7 * trial)
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (1.0, 0, 0.5), (0.9, 100000, 1.0)])
@@ -905,11 +909,7 @@ def test_seeded_sampling_of_tied_rows_matches_cpu(cpu, gpu, temperature, top_k, 
         logits = np.zeros((R, V), dtype=np.float32)
         hot = rng.choice(V, size=64, replace=False)
         logits[:, hot] = randn(rng, R, 64, scale=2.0)
-        seed, step = 50 + trial, 5 * trial
-        gt, gs = gpu.sample(logits, temperature, top_k, top_p, seed, step)
-        ct, cs = cpu.sample(logits, temperature, top_k, top_p, seed, step)
-        assert gs == cs == step + R
-        np.testing.assert_array_equal(gt, ct, err_msg=f"trial {trial}: seed {seed}")
+        check_seeded_draws(cpu, gpu, logits, temperature, top_k, top_p, 50 + trial, 5 * trial)
 
 
 def test_sampling_distribution_on_gpu(gpu):
