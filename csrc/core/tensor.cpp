@@ -9,6 +9,8 @@ size_t dtype_size(DType t) {
     case DType::BF16: return 2;
     case DType::F16: return 2;
     case DType::I32: return 4;
+    case DType::U8: return 1;
+    case DType::F8E4M3: return 1;
   }
   return 0;
 }
@@ -19,6 +21,8 @@ const char* dtype_name(DType t) {
     case DType::BF16: return "BF16";
     case DType::F16: return "F16";
     case DType::I32: return "I32";
+    case DType::U8: return "U8";
+    case DType::F8E4M3: return "F8_E4M3";
   }
   return "?";
 }

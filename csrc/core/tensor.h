@@ -11,7 +11,8 @@
 
 namespace ocria_rt {
 
-enum class DType : uint8_t { F32, BF16, F16, I32 };
+// U8: raw bytes (NVFP4's packed E2M1 pairs); F8E4M3: float8 e4m3fn bits (FP8 weights, NVFP4 block scales).
+enum class DType : uint8_t { F32, BF16, F16, I32, U8, F8E4M3 };
 enum class DeviceKind : uint8_t { CPU, CUDA };
 
 size_t dtype_size(DType t);

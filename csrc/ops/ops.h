@@ -25,17 +25,32 @@ namespace ocria_rt {
 // yields both halves of 8 activations (the CUDA skinny GEMM applies silu(gate) * up as it stores).
 constexpr int64_t kGluGroup = 8;
 
-// A linear layer's weight in its storage format. Only dense weights exist today; FP8 (E4M3 with
-// per-channel scales) and NVFP4 (E2M1 in 16-element blocks with E4M3 block scales and an fp32
-// tensor scale) will add formats here, chosen per layer.
+// A linear layer's weight in its storage format, chosen per linear. Quantized formats are weight-only:
+// x stays in the activation dtype and the weight is dequantized (on the CPU to fp32, on CUDA in
+// registers to BF16) before the product:
+//   kDense   W[n, k] = weight[n, k]                                     weight [N, K] backend weight dtype
+//   kFp8     W[n, k] = e4m3(weight[n, k]) * row_scale[n]                weight [N, K] F8E4M3
+//   kNvfp4   W[n, k] = e2m1(q[n, k]) * e4m3(block_scale[n, k / 16]) * row_scale[n]
+//            weight [N, K / 2] U8: element 2j in the low nibble of byte j, 2j + 1 in the high one;
+//            e2m1 code: bit 3 sign, bits 0-2 index {0, 0.5, 1, 1.5, 2, 3, 4, 6}; block_scale [N, K / 16] F8E4M3.
+// row_scale [N] F32 holds the fp32 tensor scale per output row: FP8's per-tensor or per-channel
+// weight_scale, NVFP4's global scale (weight_scale_2); a fused projection whose parts were quantized
+// separately keeps each part's scale on its rows. input_scale [K] F32 (optional, quantized formats
+// only) multiplies x column-wise before the product: the AWQ pre_quant_scale times the (1 + w) of an
+// RMSNorm that cannot be folded into quantized weights:  out = (x * input_scale) · W^T (+ bias).
 struct LinearWeight {
-  enum class Format { kDense };
+  enum class Format { kDense, kFp8, kNvfp4 };
+  static constexpr int64_t kNvfp4Block = 16;
   Format format = Format::kDense;
-  Tensor weight;  // [N (out), K (in)], the backend's weight dtype
-  Tensor bias;    // optional [N]
+  Tensor weight;       // see above
+  Tensor block_scale;  // kNvfp4: [N, K / 16] F8E4M3
+  Tensor row_scale;    // kFp8, kNvfp4: [N] F32
+  Tensor input_scale;  // optional [K] F32
+  Tensor bias;         // optional [N] F32
 
+  bool quantized() const { return format != Format::kDense; }
   int64_t out_features() const { return weight.dim(0); }
-  int64_t in_features() const { return weight.dim(1); }
+  int64_t in_features() const { return format == Format::kNvfp4 ? 2 * weight.dim(1) : weight.dim(1); }
 };
 
 struct AttentionParams {
