@@ -9,8 +9,8 @@ it (DRAM, L2 and SM throughput as % of peak, achieved occupancy, registers, the 
 `run` builds the random checkpoint of the shape (bench/common.py), prefills the prompt, and turns the
 profiler on (cudaProfilerStart) for `steps` decode steps only. ncu runs every kernel by itself, several
 times over (one pass per counter group), so the times are those of each kernel alone, without the
-overlap programmatic dependent launch gives in the real step; the counters are what to read. On a
-machine whose runtime has no hardware counters (gVisor, /work/.library/device/KINDS.md) ncu fails.
+overlap programmatic dependent launch gives in the real step; the counters are what to read. Under
+a runtime that hides the hardware counters (gVisor, for one) ncu fails.
 `summarize` groups the rows by kernel name and launch grid and prints a Markdown table, slowest
 groups first.
 
