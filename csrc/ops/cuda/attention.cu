@@ -681,9 +681,9 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   load_scaled_q<E, GM>(&q_s[0][0], G, lane, scale_log2, qf);
   float m[GM], l[GM], acc[GM][E];
   // The cache rows through the loop attention_kernel runs, then warp 0 adds the new row from shared
-  // memory. (Taking that row from shared memory inside the loop put each row's loads behind a branch:
-  // the next group's 8 loads no longer went out together, and the step took 31 instead of 20 us at 8k
-  // rows, 95 instead of 47 at 32k; H200, bench/results, fourteenth session.)
+  // memory. (Taking that row from shared memory inside the loop puts each row's loads behind a branch:
+  // the next group's 8 loads do not go out together, and the step takes 31 instead of 20 us at 8k
+  // rows, 95 instead of 47 at 32k on the H200.)
   attend_rows<E, GM>(qf, k_cache + int64_t(kvh) * HD + lane * E, v_cache + int64_t(kvh) * HD + lane * E, ldc, start,
                      has_new_row ? len - 1 : end, warp, lane, m, l, acc);
   if (has_new_row && warp == 0) attend_one_row<E, GM>(qf, k_new + lane * E, v_new + lane * E, lane, m, l, acc);

@@ -48,18 +48,16 @@ namespace {
 // itself, so the ring needs cp.async.wait_group but no barrier. x (at most 16 rows, read by every
 // block) goes to registers ahead of its use (skinny_x_ahead stages): its first reads in a block come
 // from L2, which the weight stream keeps busy, and loaded only after the stage's wait they stalled
-// every stage once (the linears whose blocks re-read x from L1 streamed at 92-105% of copy bandwidth,
-// those reading it from L2 at every stage at 63-70%; one stage ahead 74-99%, bench/results, tenth
-// session).
+// every stage once (H200, M = 1: the linears whose blocks re-read x from L1 streamed at 92-105% of
+// copy bandwidth, those reading it from L2 at every stage at 63-70%; one stage ahead 74-99%).
 //
 // Programmatic dependent launch: W is read-only, so a block issues the ring's first S - 1 stages
 // (K range [0, kpre) of its own K range, kpre = (S - 1) * U * WARPS * 32) before pdl_wait(); only
 // then does it read x. The weight stream thereby starts while the kernels before it still run. An L2
 // prefetch of the next pf_bytes of each of its 16 rows can go out there too (OCRIA_RT_L2_PREFETCH_MB):
-// off by default, since the norms became part of the linears; with a budget of 16 MiB per launch the
-// 4B decode step took 2.68 ms, with 4 MiB 2.56, with none 2.56 (H200, bench/results, thirteenth session):
-// what the blocks of a starting linear prefetch competes with the bytes the linear before it still
-// streams.
+// off by default, because with the norms inside the linears it only slows the step (H200, 4B decode
+// step: 2.68 ms with a budget of 16 MiB per launch, 2.56 with 4 MiB or none): what the blocks of a
+// starting linear prefetch competes with the bytes the linear before it still streams.
 //
 // Split-K (SPLIT, grid.y = ksplit > 1; only when asked for, see skinny_ksplit): meant for few row
 // tiles (N = 2560: 160 tiles on 132 SMs leave SMs with one tile next to SMs with two), it measured
@@ -67,8 +65,8 @@ namespace {
 // ranges of 32-wide K chunks, writes its fp32 partial tile to SplitKScratch::partials after
 // pdl_wait(), and counts itself in on the tile's counter; the block that completes the count sums the
 // ksplit partials in split order (deterministic whichever block is last), adds the bias, stores, and
-// resets the counter to 0 for the next launch (graph replays included). Without SPLIT the kernel is
-// the one-block-per-tile kernel it always was.
+// resets the counter to 0 for the next launch (graph replays included). Without SPLIT a block takes
+// the whole K range of its tile.
 //
 // NORM: x is a residual row whose RMSNorm weight is folded into W (fold_norm_weight). Each thread adds
 // up the squares of the x pieces it loads for the mma, and block_sum, which meets every warp's
@@ -115,11 +113,11 @@ template <int WARPS, int NT, int U, int S, int CS, int RT> constexpr int skinny_
 // How many stages ahead of its use a thread loads x (into that many register sets). Its loads queue
 // behind the weight bytes the SM has in flight, (S - 1) stages of them, so one stage ahead is not
 // enough: ncu put a quarter of in_proj's stall samples at 1 token on the move of the x registers
-// (long scoreboard), and a third at 16 tokens on the mma that reads them (H200, bench/results,
-// twentieth session). The 8-warp blocks of one token tile load 3 ahead (a thread stays within the 80
-// registers of 3 blocks per SM): alone, in_proj 16.3 -> 15.8 us and qkv 14.5 -> 14.2 at 1 token, the
-// LM head 307 -> 291 us at 4; the decode step is unchanged (4B 402.6 against 402.5 / 403.5 tokens/s).
-// The others, whose registers are spent, keep 1.
+// (long scoreboard), and a third at 16 tokens on the mma that reads them (H200). The 8-warp blocks of
+// one token tile load 3 ahead (a thread stays within the 80 registers of 3 blocks per SM): alone,
+// in_proj 16.3 -> 15.8 us and qkv 14.5 -> 14.2 at 1 token against 1 ahead, the LM head 307 -> 291 us
+// at 4; the decode step does not move (4B 402.6 against 402.5 / 403.5 tokens/s). The others, whose
+// registers are spent, keep 1.
 template <int WARPS, int NT> constexpr int skinny_x_ahead() { return WARPS == 8 && NT == 1 ? 3 : 1; }
 // The K range [0, kpre) of the stages issued before pdl_wait().
 template <int WARPS, int U, int S> constexpr int skinny_prologue_k() { return (S - 1) * U * WARPS * 32; }
@@ -612,7 +610,7 @@ SplitKScratch splitk_scratch(void* base) {
 
 // Split-K: the K splits per tile (1: none). `mode` is the backend's OCRIA_RT_SKINNY_KSPLIT: split-K
 // is off unless asked for (n >= 2), because on the H200 it measured slower than one split per tile
-// even for N = 2560 (160 tiles on 132 SMs: o_proj 7.8 -> 10.1 us with 4 splits; bench/results).
+// even for N = 2560 (160 tiles on 132 SMs: o_proj 7.8 -> 10.1 us with 4 splits).
 // At most one split per 32-wide chunk and no more (tile, split) blocks than the scratch holds.
 int skinny_ksplit(int tiles, int nchunks, int mode) {
   const int64_t ksplit = std::min<int64_t>({std::max(mode, 1), nchunks, CudaBackend::kSplitKSlots / tiles});
@@ -623,15 +621,13 @@ int skinny_ksplit(int tiles, int nchunks, int mode) {
 // OCRIA_RT_SKINNY_CLUSTER (2 or 4 ask for it, 0 or any other number never; unset: kSkinnyAuto, the
 // measured choice), taken for few row tiles (`wide`, below) when no split-K over the grid is asked for
 // and every block gets at least one 32-wide chunk. Auto: 2 blocks above 8 tokens (the speculative
-// verify regime), where at 16 tokens o_proj / out_proj took 9.42 against 10.98 us and MLP down 17.14
-// against 21.27 alone (H200, bench/results, twenty-first session; as the default 9.23 and 16.92,
-// twenty-second). None for up to 8 tokens, the decode step: for the 4B's N = 2560 (160 tiles on 132
-// SMs, where one block per tile leaves some SMs with twice the bytes of the others) 2 blocks per tile
-// measured faster once (eighth session: 355.2 against 346.9 tokens/s), and slower in every same-build
-// A/B of the step since x is loaded a stage ahead and the residual adds moved into the linears
-// (fourteenth session: 0.3% and 1.5% slower; sixteenth, three alternating runs: 392.2-393.5 tokens/s
-// with, 395.5-395.8 without), although down alone is faster with them (13.4 against 15.6 us); for the
-// 0.8B's N = 1024 (64 tiles) slower too (1059 against 1107), and 4 blocks slower everywhere.
+// verify regime), where at 16 tokens o_proj / out_proj take 9.2 against 11.0 us and MLP down 16.9
+// against 21.3 alone (H200). None for up to 8 tokens, the decode step: for the 4B's N = 2560 (160
+// tiles on 132 SMs, where one block per tile leaves some SMs with twice the bytes of the others) 2
+// blocks per tile make the step slower (H200, three alternating runs of one build: 392.2-393.5
+// tokens/s with, 395.5-395.8 without), although down alone is faster with them (13.4 against 15.6
+// us); for the 0.8B's N = 1024 (64 tiles) slower too (1059 against 1107), and 4 blocks slower
+// everywhere.
 int skinny_cluster(bool wide, int ksplit, int nchunks, int M, int mode) {
   const int cs = mode == CudaBackend::kSkinnyAuto ? (M > 8 ? 2 : 1) : mode;
   return wide && ksplit == 1 && (cs == 2 || cs == 4) && nchunks >= cs ? cs : 1;
@@ -652,7 +648,7 @@ bool skinny_persistent(int tiles, int sm_count, int mode) {
 // Two row tiles per block (x loaded once for 32 rows of W) wherever no K is split, for more than 8
 // tokens and no GLU epilogue: at 16 tokens the LM head streams at 91% of copy bandwidth instead of 71%
 // and attention's qkv at 63% instead of 59%, while gate_up's GLU store falls from 69% to 60% and at
-// one token every shape loses (H200, bench/results, fourteenth session). rows_mode is the backend's
+// one token every shape loses (H200). rows_mode is the backend's
 // OCRIA_RT_SKINNY_ROWS (16 or 32 force it, kSkinnyAuto: this rule); the other choices count 16-row
 // tiles either way.
 SkinnyPlan skinny_plan(int N, int K, int M, bool glu, int sm_count, int ksplit_mode, int cluster_mode,
