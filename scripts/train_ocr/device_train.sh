@@ -16,7 +16,7 @@
 # safetensors, numpy and Pillow must already be on the machine. A missing wheel is not fatal: without
 # fla transformers runs its torch reference (slower), without faker the generator uses its word lists.
 #
-# Example (the lead's device call on an nvidia-h200-x2 machine, carrying the wheels and the previous checkpoint):
+# Example (a device call on an nvidia-h200-x2 machine, carrying the wheels and the previous checkpoint):
 #   run(command="scripts/train_ocr/device_train.sh $OUT/run 8.5 .ckpt/ckpt", kind="nvidia-h200-x2",
 #       carry=[".wheels/fla_core-0.6.0-py3-none-any.whl", ".wheels/flash_linear_attention-0.6.0-py3-none-any.whl",
 #              ".wheels/faker-40.63.0-py3-none-any.whl", ".ckpt"])
