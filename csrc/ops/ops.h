@@ -101,6 +101,7 @@ class Backend {
   virtual void* allocate(size_t bytes) = 0;
   virtual void release(void* ptr) = 0;
   // dst <- host data of src_dtype (F32/BF16/F16/I32), converted to dst.dtype; dst may be strided.
+  // U8 and F8E4M3 destinations (quantized weights) take data of their own dtype, copied as raw bytes.
   virtual void copy_from_host(const Tensor& dst, const void* src, DType src_dtype) = 0;
   // host fp32 (or int32 for I32 tensors) <- src; waits for the copy.
   virtual void copy_to_host(void* dst, const Tensor& src) = 0;
