@@ -18,6 +18,10 @@ TOL = 2e-5  # fp32 rounding: the norm's (1 + w) scales x for a quantized weight,
 TEXT, VLM = FIXTURES / "text_tied", FIXTURES / "vlm_untied"  # model.* and model.language_model.* keys
 
 
+def engine(model_dir):
+    return ocria_rt.Engine(model_dir, num_threads=1)  # tiny models: one thread is the fastest
+
+
 def ids(base):
     return load_reference(base.name)["input_ids"][:24].tolist()
 
@@ -32,8 +36,8 @@ def kind(module):
 
 def check_twin(qdir, twin, base, tol=TOL):
     """The engine scores qdir as it scores the dense twin; returns qdir's stats."""
-    eng = ocria_rt.Engine(qdir)
-    got, want = eng.score(ids(base)), ocria_rt.Engine(twin).score(ids(base))
+    eng = engine(qdir)
+    got, want = eng.score(ids(base)), engine(twin).score(ids(base))
     assert relerr(got, want) <= tol
     # and the model really changed: quantization error is far above TOL
     assert relerr(got, load_reference(base.name)["logits"][:24]) > 100 * TOL
@@ -193,13 +197,50 @@ def test_nvfp4_nibble_order(tmp_path):
         "MIXED_PRECISION", quantized_layers={m: {"quant_algo": "NVFP4", "group_size": 16} for m in mods}))
     path = tmp_path / "q" / "model.safetensors"
     tensors = qc.read_safetensors(path)
-    want = ocria_rt.Engine(tmp_path / "twin").score(ids(TEXT))
-    assert relerr(ocria_rt.Engine(tmp_path / "q").score(ids(TEXT)), want) <= TOL
+    want = engine(tmp_path / "twin").score(ids(TEXT))
+    assert relerr(engine(tmp_path / "q").score(ids(TEXT)), want) <= TOL
     for m in mods:
         dtype, packed = tensors[m + ".weight"]
         tensors[m + ".weight"] = (dtype, (packed >> 4) | (packed << 4))
     qc.write_safetensors(path, tensors)
-    assert relerr(ocria_rt.Engine(tmp_path / "q").score(ids(TEXT)), want) > 0.05
+    assert relerr(engine(tmp_path / "q").score(ids(TEXT)), want) > 0.05
+
+
+# ---- the real tools' exports (tests/fixtures/quant, make_quant_fixtures.py) against transformers ----
+
+QUANT = FIXTURES / "quant"
+REAL = sorted(p.name for p in QUANT.iterdir() if p.is_dir())
+
+
+@pytest.mark.parametrize("name", REAL)
+def test_real_tool_fixture(name):
+    """Logits within 1e-4 of transformers' fp32 run of the dequantized model, at every position, and its
+    greedy tokens; the weight bytes by format as the checkpoint stores them."""
+    ref = np.load(QUANT / name / "reference.npz")
+    eng = engine(QUANT / name)
+    logits = eng.score(ref["input_ids"].tolist())
+    assert relerr(logits, ref["logits"]) <= 1e-4
+    for t in range(len(logits)):
+        assert relerr(logits[t], ref["logits"][t]) <= 1e-4, f"position {t}"
+    res = eng.generate(ref["greedy_prompt"].tolist(), max_new_tokens=len(ref["greedy_tokens"]), stop_token_ids=[])
+    np.testing.assert_array_equal(np.array(res.token_ids), ref["greedy_tokens"])
+    stats = eng.stats()
+    assert stats["quantization"] == ("modelopt" if name.startswith("modelopt") else "compressed-tensors")
+    by_format = stats["weight_bytes_by_format"]
+    assert (by_format["nvfp4"] > 0) == ("nvfp4" in name or "mixed" in name)
+    assert (by_format["fp8"] > 0) == ("fp8" in name or "mixed" in name)
+
+
+def test_real_nvfp4_nibbles_swapped(tmp_path):
+    """ModelOpt's NVFP4 export read with each byte's nibbles swapped: far from the reference."""
+    d = shutil.copytree(QUANT / "modelopt_nvfp4", tmp_path / "swapped")
+    tensors = qc.read_safetensors(d / "model.safetensors")
+    for name, (dtype, a) in tensors.items():
+        if dtype == "U8":
+            tensors[name] = (dtype, (a >> 4) | (a << 4))
+    qc.write_safetensors(d / "model.safetensors", tensors)
+    ref = np.load(d / "reference.npz")
+    assert relerr(engine(d).score(ref["input_ids"].tolist()), ref["logits"]) > 0.1
 
 
 # ---- bad input: a ModelError naming the tensor or key ----
@@ -278,7 +319,7 @@ def bad_cases():
 @pytest.mark.parametrize("edits,match", [c[1:] for c in bad_cases()], ids=[c[0] for c in bad_cases()])
 def test_bad_modelopt_checkpoint(nvfp4_dir, tmp_path, edits, match):
     with pytest.raises(ocria_rt.ModelError, match=match):
-        ocria_rt.Engine(edited(nvfp4_dir, tmp_path / "bad", **edits))
+        engine(edited(nvfp4_dir, tmp_path / "bad", **edits))
 
 
 def test_awq_scales_must_agree(tmp_path):
@@ -290,7 +331,7 @@ def test_awq_scales_must_agree(tmp_path):
     qc.set_quantization_config(tmp_path / "q", hf_quant_config=qc.modelopt_config("MIXED_PRECISION",
                                                                                  quantized_layers=layers))
     with pytest.raises(ocria_rt.ModelError, match=r"q_proj.pre_quant_scale' and .*k_proj.pre_quant_scale' differ"):
-        ocria_rt.Engine(tmp_path / "q")
+        engine(tmp_path / "q")
 
 
 def test_nvfp4_needs_k_multiple_of_16(tmp_path):
@@ -311,7 +352,7 @@ def test_nvfp4_needs_k_multiple_of_16(tmp_path):
         "MIXED_PRECISION", quantized_layers={"model.layers.0.mlp.down_proj": {"quant_algo": "NVFP4"}}))
     with pytest.raises(ocria_rt.ModelError, match=r"down_proj.weight': NVFP4 needs the input features \(24\) to be a "
                                                   "multiple of 16"):
-        ocria_rt.Engine(d)
+        engine(d)
 
 
 @pytest.mark.parametrize("qcfg,match", [
@@ -332,4 +373,4 @@ def test_bad_quantization_config(tmp_path, qcfg, match):
     shutil.copytree(TEXT, d)
     qc.set_quantization_config(d, quantization_config=qcfg)
     with pytest.raises(ocria_rt.ModelError, match=match):
-        ocria_rt.Engine(d)
+        engine(d)
