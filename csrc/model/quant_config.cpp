@@ -212,6 +212,9 @@ QuantConfig QuantConfig::load(const std::string& model_dir) {
     return p;
   };
 
+  Pattern any_linear;
+  any_linear.kind = Pattern::Kind::kAnyLinear;
+
   // ModelOpt: hf_quant_config.json's "quantization", or config.json's quantization_config.
   auto read_modelopt = [&](const Reader& r) {
     q.producer_ = QuantProducer::kModelOpt;
@@ -226,11 +229,11 @@ QuantConfig QuantConfig::load(const std::string& model_dir) {
       for (const auto& [module, spec] : layers->as_object()) {
         if (!spec.is_object()) lr.fail(module, "must be an object with a quant_algo");
         const Format f = modelopt_format(lr.member(module), "quant_algo");
-        q.quantize_.push_back({{Pattern::Kind::kExact, module}, f});
+        q.quantize_.push_back({glob_or_regex(module, false), f});
       }
     } else {
       const Format f = modelopt_format(r, "quant_algo");
-      q.quantize_.push_back({{Pattern::Kind::kAnyLinear, "Linear"}, f});
+      q.quantize_.push_back({any_linear, f});
     }
     // hf_quant_config.json calls the dense modules exclude_modules, config.json ignore.
     for (const char* key : {"exclude_modules", "ignore"})

@@ -26,6 +26,11 @@ enum class QuantProducer {
   kCompressedTensors,  // weight / weight_packed (NVFP4), weight_scale, weight_global_scale (NVFP4)
 };
 
+// Device bytes of the quantized linears loaded (weights and all their scales), by format.
+struct QuantizedBytes {
+  int64_t fp8 = 0, nvfp4 = 0;
+};
+
 class QuantConfig {
  public:
   // A dense checkpoint.

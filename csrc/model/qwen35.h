@@ -7,7 +7,6 @@
 #include "core/arena.h"
 #include "core/safetensors.h"
 #include "model/quant_config.h"
-#include "model/weight_loader.h"
 #include "ocria_rt/config.h"
 #include "ops/ops.h"
 

@@ -16,11 +16,6 @@
 
 namespace ocria_rt {
 
-// Device bytes of the quantized linears loaded (weights and all their scales), by format.
-struct QuantizedBytes {
-  int64_t fp8 = 0, nvfp4 = 0;
-};
-
 // Loads tensors from the checkpoint into backend memory, concatenating parts along dimension 0.
 class WeightLoader {
  public:
