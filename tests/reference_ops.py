@@ -154,3 +154,90 @@ def vision_attention(qkv, patch_pos, cu_seqlens, heads, theta):
             p = np.exp(sc - sc.max(1, keepdims=True))
             out[b0:b1, h] = (p / p.sum(1, keepdims=True)) @ v[b0:b1, h]
     return out.reshape(N, heads * hd)
+
+
+# ---- quantized weight formats (ops.h LinearWeight), bit by bit in numpy ----
+
+E2M1_GRID = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6])
+NVFP4_BLOCK = 16
+
+
+def e4m3_to_float(bits):
+    """float8 e4m3fn bits (uint8) -> float64: bias 7, subnormals, S.1111.111 NaN, no infinities."""
+    bits = np.asarray(bits, dtype=np.uint8).astype(np.int64)
+    exp, mant = (bits >> 3) & 0xF, bits & 0x7
+    v = np.where(exp == 0, mant / 8 * 2.0**-6, (1 + mant / 8) * 2.0 ** (exp - 7))
+    v = np.where((exp == 15) & (mant == 7), np.nan, v)
+    return np.where(bits & 0x80, -v, v)
+
+
+E4M3_POSITIVE = e4m3_to_float(np.arange(0x7F))  # codes 0 .. 0x7E (448), increasing
+
+
+def _round_to_grid(x, grid):
+    """Index of the nearest value of the increasing grid to |x| (clamped), ties to the even index."""
+    a = np.minimum(np.abs(np.asarray(x, dtype=np.float64)), grid[-1])
+    hi = np.clip(np.searchsorted(grid, a), 1, len(grid) - 1)
+    lo = hi - 1
+    d_lo, d_hi = a - grid[lo], grid[hi] - a
+    return np.where((d_lo < d_hi) | ((d_lo == d_hi) & (lo % 2 == 0)), lo, hi)
+
+
+def float_to_e4m3(x):
+    """float -> e4m3fn bits (uint8), round to nearest (ties to even), saturating at +-448."""
+    x = np.asarray(x, dtype=np.float64)
+    return (_round_to_grid(x, E4M3_POSITIVE) | np.where(x < 0, 0x80, 0)).astype(np.uint8)
+
+
+def e2m1_to_float(codes):
+    codes = np.asarray(codes, dtype=np.int64)
+    v = E2M1_GRID[codes & 0x7]
+    return np.where(codes & 0x8, -v, v)
+
+
+def pack_e2m1(codes):
+    """E2M1 codes [N, K] -> bytes [N, K / 2]: element 2j in the low nibble, 2j + 1 in the high one."""
+    codes = np.asarray(codes, dtype=np.uint8)
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+
+
+def unpack_e2m1(packed, low_first=True):
+    packed = np.asarray(packed, dtype=np.uint8)
+    lo, hi = packed & 0xF, packed >> 4
+    first, second = (lo, hi) if low_first else (hi, lo)
+    return np.stack([first, second], -1).reshape(packed.shape[0], -1)
+
+
+def dequant_fp8(weight, row_scale):
+    """W [N, K] = e4m3(weight) * row_scale[n]."""
+    return e4m3_to_float(weight) * np.asarray(row_scale, dtype=np.float64)[:, None]
+
+
+def dequant_nvfp4(packed, block_scale, row_scale, low_first=True):
+    """W [N, K] = e2m1(q) * e4m3(block_scale[n, k / 16]) * row_scale[n]."""
+    q = e2m1_to_float(unpack_e2m1(packed, low_first))
+    blocks = np.repeat(e4m3_to_float(block_scale), NVFP4_BLOCK, axis=1)
+    return q * blocks * np.asarray(row_scale, dtype=np.float64)[:, None]
+
+
+def quantize_fp8(w, per_channel=False):
+    """(weight bits [N, K], scale): amax / 448 per tensor (a scalar) or per row ([N])."""
+    w = np.asarray(w, dtype=np.float64)
+    amax = np.abs(w).max(1) if per_channel else np.abs(w).max()
+    scale = (np.maximum(amax, 1e-12) / 448).astype(np.float32)
+    return float_to_e4m3(w / (scale[:, None] if per_channel else scale)), scale
+
+
+def quantize_nvfp4(w):
+    """ModelOpt's NVFP4: (packed [N, K/2], block_scale bits [N, K/16], global scale weight_scale_2).
+    global = amax / (6 * 448); block scale = block_amax / (6 * global) in e4m3 (an all-zero block 1.0);
+    elements round half to even on the E2M1 grid."""
+    w = np.asarray(w, dtype=np.float64)
+    N, K = w.shape
+    global_scale = np.float32(max(np.abs(w).max(), 1e-12) / (6 * 448))
+    blocks = w.reshape(N, K // NVFP4_BLOCK, NVFP4_BLOCK)
+    block_amax = np.abs(blocks).max(-1)
+    bs = float_to_e4m3(np.where(block_amax > 0, np.clip(block_amax / (6 * float(global_scale)), 2.0**-9, 448), 1.0))
+    scaled = blocks / (e4m3_to_float(bs)[..., None] * float(global_scale))
+    codes = (_round_to_grid(scaled, E2M1_GRID) | np.where(scaled < 0, 0x8, 0)).reshape(N, K)
+    return pack_e2m1(codes), bs, global_scale

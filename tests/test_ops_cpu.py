@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import ocria_rt
 import reference_ops as ref
 from support import check_post_mailbox, relerr
 from ocria_rt import _core
@@ -34,6 +35,100 @@ def test_linear_glu(cpu, M, K, I):
     x, wg, wu = randn(rng, M, K), randn(rng, I, K, scale=0.3), randn(rng, I, K, scale=0.3)
     want = ref.silu(x.astype(np.float64) @ wg.T) * (x.astype(np.float64) @ wu.T)
     assert relerr(cpu.linear_glu(x, ref.glu_layout(wg, wu)), want) <= TOL
+
+
+def quant_parts(rng, fmt, N, K, per_channel=True, from_bytes=False):
+    """(format, weight bytes, block_scale bytes or None, row_scale) of a quantized W [N, K], and W
+    dequantized in float64. The weight is either a random normal matrix quantized as ModelOpt does,
+    or (from_bytes) random bytes: every E2M1 code and nibble pattern, block scales in [2^-9, 8]."""
+    w = rng.standard_normal((N, K))
+    if fmt == "fp8":
+        bits, scale = ref.quantize_fp8(w, per_channel)
+        if from_bytes:
+            bits = rng.integers(0, 256, (N, K), dtype=np.uint8)
+            bits[(bits & 0x7F) == 0x7F] = 0x3C  # no NaN codes
+        row_scale = np.broadcast_to(scale, (N,)).astype(np.float32)
+        return (fmt, bits, None, row_scale), ref.dequant_fp8(bits, row_scale)
+    bits, block_scale, g = ref.quantize_nvfp4(w)
+    if from_bytes:
+        bits = rng.integers(0, 256, (N, K // 2), dtype=np.uint8)
+        block_scale = rng.integers(0x00, 0x58, (N, K // 16), dtype=np.uint8)
+    # per_channel: each row its own global scale, as in a fused projection of separately quantized parts
+    row_scale = (rng.uniform(0.5, 2, N) * g if per_channel else np.full(N, g)).astype(np.float32)
+    return (fmt, bits, block_scale, row_scale), ref.dequant_nvfp4(bits, block_scale, row_scale)
+
+
+QUANT_CASES = [("fp8", 1, 33, 17, False, False), ("fp8", 5, 64, 48, True, True), ("fp8", 20, 128, 40, True, False),
+               ("nvfp4", 1, 64, 96, False, False), ("nvfp4", 3, 48, 17, True, True), ("nvfp4", 19, 160, 40, True, False)]
+
+
+@pytest.mark.parametrize("fmt,M,K,N,input_scale,from_bytes", QUANT_CASES)
+def test_linear_quantized(cpu, fmt, M, K, N, input_scale, from_bytes):
+    """out = (x * input_scale) · W^T + bias with W dequantized as ops.h defines."""
+    rng = np.random.default_rng(M * 100 + K + N)
+    parts, dense = quant_parts(rng, fmt, N, K, per_channel=M > 1, from_bytes=from_bytes)
+    s = rng.uniform(0.5, 1.5, K).astype(np.float32) if input_scale else None
+    x, bias = randn(rng, M, K), randn(rng, N)
+    xs = x.astype(np.float64) * (s if s is not None else 1)
+    assert relerr(cpu.linear(x, _core.QuantWeight(*parts, s), bias), xs @ dense.T + bias) <= TOL
+
+
+def test_nvfp4_nibble_order(cpu):
+    """The same bytes read high nibble first are a different matrix: element 2j is the low nibble."""
+    rng = np.random.default_rng(11)
+    w = rng.standard_normal((32, 64))
+    packed, bs, g = ref.quantize_nvfp4(w)
+    rs = np.full(32, g, np.float32)
+    x = randn(rng, 4, 64)
+    got = cpu.linear(x, _core.QuantWeight("nvfp4", packed, bs, rs))
+    assert relerr(got, x @ ref.dequant_nvfp4(packed, bs, rs).T) <= TOL
+    assert relerr(got, x @ w.T) < 0.15  # NVFP4's own error on a normal matrix, about 0.1
+    assert relerr(got, x @ ref.dequant_nvfp4(packed, bs, rs, low_first=False).T) > 0.5
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_residual_block_ends_quantized(cpu, fmt):
+    """The defaults linear_glu, rms_norm_linear(_glu) and linear_add with quantized weights whose
+    input_scale carries the RMSNorm's (1 + w), nothing folded into the weight."""
+    rng = np.random.default_rng(21)
+    M, K, I = 5, 64, 32
+    x, nw, bias = randn(rng, M, K, scale=3), randn(rng, K, scale=0.1), randn(rng, 2 * I)
+    parts, dense = quant_parts(rng, fmt, 2 * I, K)  # rows taken to be in the GLU layout
+    gate, up = (dense.reshape(I // ref.GLU_GROUP, 2, ref.GLU_GROUP, K)[:, i].reshape(I, K) for i in range(2))
+    xd = x.astype(np.float64)
+    assert relerr(cpu.linear_glu(x, _core.QuantWeight(*parts)), ref.silu(xd @ gate.T) * (xd @ up.T)) <= TOL
+
+    norm_scale = (1 + nw).astype(np.float32)
+    normed = ref.rms_norm(x, nw, 1e-6)
+    out, _ = cpu.rms_norm_linear(x, _core.QuantWeight(*parts, norm_scale), 1e-6, bias)
+    assert relerr(out, normed @ dense.T + bias) <= TOL
+    act, _ = cpu.rms_norm_linear(x, _core.QuantWeight(*parts, norm_scale), 1e-6, glu=True)
+    assert relerr(act, ref.silu(normed @ gate.T) * (normed @ up.T)) <= TOL
+
+    res = randn(rng, M, 2 * I)
+    s = rng.uniform(0.5, 1.5, K).astype(np.float32)
+    got = cpu.linear_add(x, _core.QuantWeight(*parts, s), res, bias)
+    assert relerr(got, res + (xd * s) @ dense.T + bias) <= TOL
+
+
+def test_quant_weight_errors(cpu):
+    rng = np.random.default_rng(4)
+    (fmt, bits, bs, rs), _ = quant_parts(rng, "nvfp4", 8, 32)
+    x = randn(rng, 2, 32)
+    with pytest.raises(ocria_rt.InvalidArgumentError, match="format must be"):
+        _core.QuantWeight("int4", bits, bs, rs)
+    with pytest.raises(ocria_rt.InvalidArgumentError, match="block_scale is required"):
+        _core.QuantWeight("nvfp4", bits, None, rs)
+    with pytest.raises(TypeError):  # float data is refused, not converted to bytes
+        _core.QuantWeight("nvfp4", bits.astype(np.float32), bs, rs)
+    with pytest.raises(ocria_rt.InternalError, match=r"block_scale must be F8E4M3 \[N, K / 16\]"):
+        cpu.linear(x, _core.QuantWeight("nvfp4", bits, bs[:, :1], rs))
+    with pytest.raises(ocria_rt.InternalError, match=r"row_scale must be F32 \[N\]"):
+        cpu.linear(x, _core.QuantWeight("nvfp4", bits, bs, rs[:4]))
+    with pytest.raises(ocria_rt.InternalError, match=r"input_scale must be F32 \[K\]"):
+        cpu.linear(x, _core.QuantWeight("nvfp4", bits, bs, rs, np.ones(16, np.float32)))
+    with pytest.raises(ocria_rt.InternalError, match="NVFP4 needs K a multiple of 16"):
+        cpu.linear(randn(rng, 2, 24), _core.QuantWeight("nvfp4", bits[:, :12], bs[:, :1], rs))
 
 
 def test_embedding(cpu):

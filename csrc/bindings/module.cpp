@@ -136,6 +136,12 @@ PYBIND11_MODULE(_core, m) {
         d["device"] = s.device;
         d["backend"] = s.backend_name;
         d["weight_bytes"] = s.weight_bytes;
+        py::dict by_format;
+        by_format["dense"] = s.weight_bytes - s.weight_bytes_fp8 - s.weight_bytes_nvfp4;
+        by_format["fp8"] = s.weight_bytes_fp8;
+        by_format["nvfp4"] = s.weight_bytes_nvfp4;
+        d["weight_bytes_by_format"] = by_format;
+        d["quantization"] = s.quantization;
         d["state_bytes"] = s.state_bytes;
         d["workspace_bytes"] = s.workspace_bytes;
         d["launches_per_decode_step"] = s.launches_per_decode_step;

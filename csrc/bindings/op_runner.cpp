@@ -19,6 +19,29 @@ namespace {
 
 using F32Array = py::array_t<float, py::array::c_style | py::array::forcecast>;
 using I32Array = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+// Raw bytes: no forcecast, so float arrays are refused rather than converted (pass fp8 data as
+// .view(np.uint8)).
+using U8Array = py::array_t<uint8_t, py::array::c_style>;
+
+// A quantized linear weight (ops.h LinearWeight) as numpy arrays. format "fp8": weight uint8 [N, K]
+// (float8 e4m3fn bits); "nvfp4": weight uint8 [N, K / 2] (E2M1 pairs, element 2j in the low nibble)
+// and block_scale uint8 [N, K / 16] (e4m3fn bits). row_scale f32 [N]; input_scale f32 [K] or None.
+struct QuantWeight {
+  LinearWeight::Format format;
+  U8Array weight;
+  std::optional<U8Array> block_scale;
+  F32Array row_scale;
+  std::optional<F32Array> input_scale;
+
+  QuantWeight(const std::string& fmt, U8Array w, std::optional<U8Array> bs, F32Array rs, std::optional<F32Array> is)
+      : weight(std::move(w)), block_scale(std::move(bs)), row_scale(std::move(rs)), input_scale(std::move(is)) {
+    if (fmt == "fp8") format = LinearWeight::Format::kFp8;
+    else if (fmt == "nvfp4") format = LinearWeight::Format::kNvfp4;
+    else throw Error(ErrorCode::kInvalidArgument, "QuantWeight: format must be 'fp8' or 'nvfp4', got '" + fmt + "'");
+    if ((format == LinearWeight::Format::kNvfp4) != block_scale.has_value())
+      throw Error(ErrorCode::kInvalidArgument, "QuantWeight: block_scale is required for 'nvfp4' and only for it");
+  }
+};
 
 class OpRunner {
  public:
@@ -34,6 +57,29 @@ class OpRunner {
     Tensor t = alloc_like(a.request().shape, dtype);
     be_->copy_from_host(t, a.data(), DType::F32);
     return t;
+  }
+  // Device tensor of `dtype` (U8 or F8E4M3) holding the bytes of `a`.
+  Tensor upload_raw(const U8Array& a, DType dtype) {
+    Tensor t = alloc_like(a.request().shape, dtype);
+    be_->copy_from_host(t, a.data(), dtype);
+    return t;
+  }
+  // `w` (a QuantWeight, or an fp32 array [N, K] for a dense weight in the backend's weight dtype)
+  // and `bias` uploaded as a LinearWeight.
+  LinearWeight upload_weight(const py::object& w, const std::optional<F32Array>& bias) {
+    LinearWeight lw;
+    if (py::isinstance<QuantWeight>(w)) {
+      const QuantWeight& q = w.cast<const QuantWeight&>();
+      lw.format = q.format;
+      lw.weight = upload_raw(q.weight, q.format == LinearWeight::Format::kFp8 ? DType::F8E4M3 : DType::U8);
+      if (q.block_scale) lw.block_scale = upload_raw(*q.block_scale, DType::F8E4M3);
+      lw.row_scale = upload(q.row_scale, DType::F32);
+      if (q.input_scale) lw.input_scale = upload(*q.input_scale, DType::F32);
+    } else {
+      lw.weight = upload(w.cast<F32Array>(), wt());
+    }
+    if (bias) lw.bias = upload(*bias, DType::F32);
+    return lw;
   }
   Tensor upload_i32(const I32Array& a) {
     Tensor t = alloc_like(a.request().shape, DType::I32);
@@ -139,6 +185,14 @@ template <class Step> py::array_t<float> run_steps(OpRunner& r, Step&& step, int
 }  // namespace
 
 void register_op_runner(py::module_& m) {
+  py::class_<QuantWeight>(m, "QuantWeight",
+                          "A quantized linear weight for OpRunner's ops (ops.h LinearWeight): format 'fp8' "
+                          "(weight uint8 [N, K], e4m3fn bits) or 'nvfp4' (weight uint8 [N, K/2], E2M1 pairs, low "
+                          "nibble first; block_scale uint8 [N, K/16], e4m3fn bits); row_scale f32 [N]; input_scale "
+                          "f32 [K] or None.")
+      .def(py::init<const std::string&, U8Array, std::optional<U8Array>, F32Array, std::optional<F32Array>>(),
+           py::arg("format"), py::arg("weight"), py::arg("block_scale"), py::arg("row_scale"),
+           py::arg("input_scale") = py::none());
   py::class_<OpRunner>(m, "OpRunner", "Runs single ops of a backend on numpy arrays (for tests).")
       .def(py::init<const std::string&>(), py::arg("device"))
       .def_property_readonly("name", &OpRunner::name)
@@ -149,21 +203,19 @@ void register_op_runner(py::module_& m) {
       })
       .def(
           "linear",
-          [](OpRunner& r, F32Array x, F32Array w, std::optional<F32Array> bias, bool out_f32) {
-            LinearWeight lw;
-            lw.weight = r.upload(w, r.wt());
-            if (bias) lw.bias = r.upload(*bias, DType::F32);
+          [](OpRunner& r, F32Array x, py::object w, std::optional<F32Array> bias, bool out_f32) {
+            // w: an fp32 array [N, K] or a QuantWeight (likewise in every op below that takes a weight).
+            LinearWeight lw = r.upload_weight(w, bias);
             Tensor xt = r.upload(x, r.act());
-            Tensor out = r.poisoned({x.shape(0), w.shape(0)}, out_f32 ? DType::F32 : r.act());
+            Tensor out = r.poisoned({x.shape(0), lw.out_features()}, out_f32 ? DType::F32 : r.act());
             r.be().linear(xt, lw, out);
             return r.download(out);
           },
           py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::arg("out_f32") = false)
-      .def("linear_glu", [](OpRunner& r, F32Array x, F32Array w) {
+      .def("linear_glu", [](OpRunner& r, F32Array x, py::object w) {
         // w [2I, K]: the gate and up rows in the GLU layout (ops.h). Returns act [M, I].
-        LinearWeight lw;
-        lw.weight = r.upload(w, r.wt());
-        const py::ssize_t M = x.shape(0), N = w.shape(0);
+        LinearWeight lw = r.upload_weight(w, std::nullopt);
+        const py::ssize_t M = x.shape(0), N = lw.out_features();
         Tensor scratch = r.poisoned({M, N}, r.act()), act = r.poisoned({M, N / 2}, r.act());
         r.be().linear_glu(r.upload(x, r.act()), lw, scratch, act);
         return r.download(act);
@@ -185,13 +237,11 @@ void register_op_runner(py::module_& m) {
       })
       .def(
           "rms_norm_linear",
-          [](OpRunner& r, F32Array x, F32Array w, float eps, std::optional<F32Array> bias, bool glu) {
+          [](OpRunner& r, F32Array x, py::object w, float eps, std::optional<F32Array> bias, bool glu) {
             // rms_norm(x, unit) · W^T, or with glu its silu(gate) * up (W in the GLU layout). W is taken
             // as already folded. Returns (out, normed): `normed` comes back NaN where it was not written.
-            LinearWeight lw;
-            lw.weight = r.upload(w, r.wt());
-            if (bias) lw.bias = r.upload(*bias, DType::F32);
-            const py::ssize_t M = x.shape(0), N = w.shape(0);
+            LinearWeight lw = r.upload_weight(w, bias);
+            const py::ssize_t M = x.shape(0), N = lw.out_features();
             Tensor xt = r.upload(x, r.act()), normed = r.poisoned({M, x.shape(1)}, r.act());
             Tensor out = r.poisoned({M, glu ? N / 2 : N}, r.act());
             if (glu) r.be().rms_norm_linear_glu(xt, eps, lw, normed, r.poisoned({M, N}, r.act()), out);
@@ -201,25 +251,21 @@ void register_op_runner(py::module_& m) {
           py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("bias") = py::none(), py::arg("glu") = false)
       .def(
           "linear_add",
-          [](OpRunner& r, F32Array x, F32Array w, F32Array residual, std::optional<F32Array> bias) {
+          [](OpRunner& r, F32Array x, py::object w, F32Array residual, std::optional<F32Array> bias) {
             // residual += x · W^T; returns the residual.
-            LinearWeight lw;
-            lw.weight = r.upload(w, r.wt());
-            if (bias) lw.bias = r.upload(*bias, DType::F32);
+            LinearWeight lw = r.upload_weight(w, bias);
             Tensor res = r.upload(residual, r.act());
-            r.be().linear_add(r.upload(x, r.act()), lw, r.poisoned({x.shape(0), w.shape(0)}, r.act()), res);
+            r.be().linear_add(r.upload(x, r.act()), lw, r.poisoned({x.shape(0), lw.out_features()}, r.act()), res);
             return r.download(res);
           },
           py::arg("x"), py::arg("w"), py::arg("residual"), py::arg("bias") = py::none())
-      .def("block_chain", [](OpRunner& r, F32Array residual, F32Array w_gate_up, F32Array w_down, int layers,
+      .def("block_chain", [](OpRunner& r, F32Array residual, py::object w_gate_up, py::object w_down, int layers,
                              float eps) {
         // `layers` MLP residual blocks, residual += down(silu(gate) * up of rms_norm(residual, unit)),
         // then the final rms_norm(residual, unit), all enqueued before anything is read back: dependent
         // kernels back to back, as in a decode step. Returns (residual, normed).
-        const py::ssize_t M = residual.shape(0), H = residual.shape(1), I2 = w_gate_up.shape(0);
-        LinearWeight gu, down;
-        gu.weight = r.upload(w_gate_up, r.wt());
-        down.weight = r.upload(w_down, r.wt());
+        LinearWeight gu = r.upload_weight(w_gate_up, std::nullopt), down = r.upload_weight(w_down, std::nullopt);
+        const py::ssize_t M = residual.shape(0), H = residual.shape(1), I2 = gu.out_features();
         Tensor res = r.upload(residual, r.act());
         Tensor normed = r.poisoned({M, H}, r.act()), gate_up = r.poisoned({M, I2}, r.act());
         Tensor act = r.poisoned({M, I2 / 2}, r.act()), delta = r.poisoned({M, H}, r.act());

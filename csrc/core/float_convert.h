@@ -55,7 +55,25 @@ inline uint16_t float_to_f16(float f) {
   return uint16_t(sign | out);
 }
 
-// dst[0:n] = src[0:n] converted to fp32 from F32 / BF16 / F16 / I32.
+// float8 e4m3fn: bit 7 sign, bits 3-6 exponent (bias 7), bits 0-2 mantissa; no infinities, and
+// S.1111.111 is NaN.
+inline float e4m3_to_float(uint8_t b) {
+  const int exp = (b >> 3) & 0xF, mant = b & 0x7;
+  float v;
+  if (exp == 0) v = std::ldexp(float(mant), -9);  // zero / subnormal: mant / 8 * 2^-6
+  else if (exp == 15 && mant == 7) v = NAN;
+  else v = std::ldexp(float(8 + mant), exp - 10);  // (1 + mant / 8) * 2^(exp - 7)
+  return (b & 0x80) ? -v : v;
+}
+
+// E2M1 (a 4-bit code, NVFP4's element): bit 3 sign, bits 0-2 index the magnitudes below.
+inline float e2m1_to_float(uint8_t code) {
+  static constexpr float kMagnitude[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  const float v = kMagnitude[code & 0x7];
+  return (code & 0x8) ? -v : v;
+}
+
+// dst[0:n] = src[0:n] converted to fp32 from F32 / BF16 / F16 / I32 / F8E4M3.
 inline void convert_to_f32(const void* src, DType src_dtype, float* dst, int64_t n) {
   switch (src_dtype) {
     case DType::F32: std::memcpy(dst, src, size_t(n) * 4); break;
@@ -67,6 +85,12 @@ inline void convert_to_f32(const void* src, DType src_dtype, float* dst, int64_t
       break;
     case DType::I32:
       for (int64_t i = 0; i < n; ++i) dst[i] = float(static_cast<const int32_t*>(src)[i]);
+      break;
+    case DType::F8E4M3:
+      for (int64_t i = 0; i < n; ++i) dst[i] = e4m3_to_float(static_cast<const uint8_t*>(src)[i]);
+      break;
+    case DType::U8:
+      for (int64_t i = 0; i < n; ++i) dst[i] = float(static_cast<const uint8_t*>(src)[i]);
       break;
   }
 }

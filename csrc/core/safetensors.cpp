@@ -63,8 +63,8 @@ static bool parse_dtype(const std::string& s, DType* out, size_t* elem_size) {
   static const Entry table[] = {
       {"F32", DType::F32, true, 4}, {"BF16", DType::BF16, true, 2}, {"F16", DType::F16, true, 2},
       {"I32", DType::I32, false, 4}, {"F64", DType::F32, false, 8}, {"I64", DType::I32, false, 8},
-      {"I16", DType::I32, false, 2}, {"I8", DType::I32, false, 1}, {"U8", DType::I32, false, 1},
-      {"BOOL", DType::I32, false, 1}, {"F8_E4M3", DType::I32, false, 1}, {"F8_E5M2", DType::I32, false, 1},
+      {"I16", DType::I32, false, 2}, {"I8", DType::I32, false, 1}, {"U8", DType::U8, true, 1},
+      {"BOOL", DType::I32, false, 1}, {"F8_E4M3", DType::F8E4M3, true, 1}, {"F8_E5M2", DType::I32, false, 1},
   };
   for (const Entry& e : table) {
     if (s == e.name) {
@@ -178,16 +178,36 @@ const TensorRecord* Checkpoint::find(const std::string& name) const {
   return it == tensors_.end() ? nullptr : &it->second;
 }
 
+namespace {
+
+bool float_dtype(const TensorRecord& rec) {
+  return rec.dtype_supported && (rec.dtype == DType::F32 || rec.dtype == DType::BF16 || rec.dtype == DType::F16);
+}
+
+}  // namespace
+
 const TensorRecord& Checkpoint::require(const std::string& name, const std::vector<int64_t>& shape) const {
   const TensorRecord* rec = find(name);
   if (!rec) throw Error(ErrorCode::kModelError, "checkpoint '" + dir_ + "' lacks tensor '" + name + "'");
-  if (!rec->dtype_supported)
+  if (!float_dtype(*rec))
     throw Error(ErrorCode::kModelError, "tensor '" + name + "' in '" + rec->file + "' has dtype " + rec->dtype_str +
                                             "; expected BF16, F16 or F32");
   if (rec->shape != shape) {
     throw Error(ErrorCode::kModelError, "tensor '" + name + "' in '" + rec->file + "' has shape " + rec->shape_str() +
                                             "; expected " + dims_str(shape.data(), int(shape.size())));
   }
+  return *rec;
+}
+
+const TensorRecord& Checkpoint::require_raw(const std::string& name, const std::vector<int64_t>& shape, DType raw) const {
+  const TensorRecord* rec = find(name);
+  if (!rec) throw Error(ErrorCode::kModelError, "checkpoint '" + dir_ + "' lacks tensor '" + name + "'");
+  if (!rec->dtype_supported || rec->dtype != raw)
+    throw Error(ErrorCode::kModelError, "tensor '" + name + "' in '" + rec->file + "' has dtype " + rec->dtype_str +
+                                            "; expected " + dtype_name(raw));
+  if (rec->shape != shape)
+    throw Error(ErrorCode::kModelError, "tensor '" + name + "' in '" + rec->file + "' has shape " + rec->shape_str() +
+                                            "; expected " + dims_str(shape.data(), int(shape.size())));
   return *rec;
 }
 

@@ -14,6 +14,8 @@ struct TensorRecord {
   std::string name;
   std::string file;       // the safetensors file that holds it
   std::string dtype_str;  // as written in the header ("BF16", "F32", "I64", ...)
+  // dtype_supported: the dtype maps to a DType (F32, BF16, F16; U8 and F8_E4M3 as the raw bytes of
+  // quantized weights and their scales).
   bool dtype_supported = false;
   DType dtype = DType::F32;  // valid when dtype_supported
   std::vector<int64_t> shape;
@@ -35,6 +37,9 @@ class Checkpoint {
   const TensorRecord* find(const std::string& name) const;
   // The tensor `name`, checked to have exactly `shape` and a float dtype (BF16/F16/F32).
   const TensorRecord& require(const std::string& name, const std::vector<int64_t>& shape) const;
+  // The tensor `name`, checked to have exactly `shape` and dtype `raw` (U8 or F8E4M3: quantized data).
+  const TensorRecord& require_raw(const std::string& name, const std::vector<int64_t>& shape, DType raw) const;
+  const std::string& dir() const { return dir_; }
   bool has_prefix(const std::string& prefix) const;
   const std::map<std::string, TensorRecord>& tensors() const { return tensors_; }
 

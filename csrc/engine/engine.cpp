@@ -8,6 +8,7 @@
 
 #include "core/arena.h"
 #include "core/safetensors.h"
+#include "model/quant_config.h"
 #include "model/qwen35.h"
 #include "model/qwen35_vision.h"
 #include "model/vision_grid.h"
@@ -49,7 +50,8 @@ class EngineImpl final : public Engine {
     work_ = std::make_unique<Arena>(*backend_);
     {
       Checkpoint ck = Checkpoint::open(model_dir);  // mapped only while the weights are loaded
-      model_ = std::make_unique<Qwen35Model>(config_, ck, *backend_, *weights_);
+      quant_ = QuantConfig::load(model_dir);
+      model_ = std::make_unique<Qwen35Model>(config_, quant_, ck, *backend_, *weights_);
       if (config_.has_vision) {
         if (opt.max_image_patches < config_.vision.merge_unit())
           throw Error(ErrorCode::kInvalidArgument, "max_image_patches must be at least " + std::to_string(config_.vision.merge_unit()));
@@ -79,6 +81,13 @@ class EngineImpl final : public Engine {
     s.device = backend_->device() == DeviceKind::CPU ? "cpu" : "cuda";
     s.backend_name = backend_->name();
     s.weight_bytes = int64_t(weights_->bytes_used());
+    s.weight_bytes_fp8 = model_->quantized_bytes().fp8;
+    s.weight_bytes_nvfp4 = model_->quantized_bytes().nvfp4;
+    switch (quant_.producer()) {
+      case QuantProducer::kNone: s.quantization = "none"; break;
+      case QuantProducer::kModelOpt: s.quantization = "modelopt"; break;
+      case QuantProducer::kCompressedTensors: s.quantization = "compressed-tensors"; break;
+    }
     s.state_bytes = int64_t(state_arena_->bytes_used());
     s.workspace_bytes = int64_t(work_->bytes_used());
     // Known once a decode step has been captured: its kernels, replayed with one launch.
@@ -290,6 +299,7 @@ class EngineImpl final : public Engine {
 
   ModelConfig config_;
   std::unique_ptr<Backend> backend_;
+  QuantConfig quant_;
   std::unique_ptr<Arena> weights_, state_arena_, work_;
   std::unique_ptr<Qwen35Model> model_;
   std::unique_ptr<Qwen35Vision> vision_;  // VLMs only

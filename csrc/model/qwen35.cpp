@@ -6,7 +6,8 @@
 
 namespace ocria_rt {
 
-Qwen35Model::Qwen35Model(const ModelConfig& config, const Checkpoint& ck, Backend& backend, Arena& arena)
+Qwen35Model::Qwen35Model(const ModelConfig& config, const QuantConfig& quant, const Checkpoint& ck, Backend& backend,
+                         Arena& arena)
     : cfg_(config), be_(backend) {
   const ModelConfig& c = cfg_;
   const int64_t H = c.hidden_size, I = c.intermediate_size, hd = c.head_dim;
@@ -22,41 +23,45 @@ Qwen35Model::Qwen35Model(const ModelConfig& config, const Checkpoint& ck, Backen
 
   // Text-only checkpoints keep the decoder under model.*, the VLM under model.language_model.*.
   const std::string base = ck.has_prefix("model.language_model.") ? "model.language_model." : "model.";
-  WeightLoader w(ck, be_, arena, base);
+  quant.check_names(ck);
+  WeightLoader w(ck, be_, arena, base, quant, quantized_bytes_);
   const DType wt = be_.weight_dtype(), f32 = DType::F32;
   embed_ = w.load("embed_tokens.weight", {c.vocab_size, H}, wt);
   final_norm_ = w.load("norm.weight", {H}, f32);
   if (c.tie_word_embeddings) {
     lm_head_.weight = embed_;
   } else {
-    lm_head_ = WeightLoader(ck, be_, arena, "").linear({{"lm_head.weight", {c.vocab_size, H}}});
+    lm_head_ = WeightLoader(ck, be_, arena, "", quant, quantized_bytes_).projection({{"lm_head", c.vocab_size}}, H);
   }
 
   for (int64_t i = 0; i < c.num_layers; ++i) {
     const std::string p = "layers." + std::to_string(i) + ".";
     DecoderLayer L;
     L.full_attention = c.full_attention[i];
-    // The two RMSNorms' weights are folded into the projections that read their output (ops.h,
-    // fold_norm_weight): the forward normalises without a weight.
-    const Tensor input_norm = w.load(p + "input_layernorm.weight", {H}, f32);
-    const Tensor post_norm = w.load(p + "post_attention_layernorm.weight", {H}, f32);
+    // The two RMSNorms' weights go into the projections that read their output (folded into dense
+    // weights, ops.h fold_norm_weight; a quantized one's input_scale): the forward normalises
+    // without a weight.
+    const std::string input_norm = p + "input_layernorm.weight", post_norm = p + "post_attention_layernorm.weight";
     if (L.full_attention) {
       const std::string a = p + "self_attn.";
-      L.attn.qkv = w.linear({{a + "q_proj.weight", {Hq * 2 * hd, H}},
-                             {a + "k_proj.weight", {Hkv * hd, H}},
-                             {a + "v_proj.weight", {Hkv * hd, H}}});
-      be_.fold_norm_weight(L.attn.qkv.weight, input_norm);
-      L.attn.o = w.linear({{a + "o_proj.weight", {H, Hq * hd}}});
+      L.attn.qkv = w.projection({{a + "q_proj", Hq * 2 * hd}, {a + "k_proj", Hkv * hd}, {a + "v_proj", Hkv * hd}}, H,
+                                input_norm);
+      L.attn.o = w.projection({{a + "o_proj", H}}, Hq * hd);
       L.attn.q_norm = w.load(a + "q_norm.weight", {hd}, f32);
       L.attn.k_norm = w.load(a + "k_norm.weight", {hd}, f32);
     } else {
       const std::string g = p + "linear_attn.";
-      L.gdn.in_proj = w.linear({{g + "in_proj_qkv.weight", {C, H}},
-                                {g + "in_proj_z.weight", {HV * dv, H}},
-                                {g + "in_proj_b.weight", {HV, H}},
-                                {g + "in_proj_a.weight", {HV, H}}});
-      be_.fold_norm_weight(L.gdn.in_proj.weight, input_norm);
-      L.gdn.out = w.linear({{g + "out_proj.weight", {H, HV * dv}}});
+      const std::vector<WeightLoader::Part> qkvz = {{g + "in_proj_qkv", C}, {g + "in_proj_z", HV * dv}};
+      const std::vector<WeightLoader::Part> ba = {{g + "in_proj_b", HV}, {g + "in_proj_a", HV}};
+      if (w.format_of(qkvz) == w.format_of(ba)) {
+        std::vector<WeightLoader::Part> all = qkvz;
+        all.insert(all.end(), ba.begin(), ba.end());
+        L.gdn.in_proj = w.projection(all, H, input_norm);
+      } else {
+        L.gdn.in_proj = w.projection(qkvz, H, input_norm);
+        L.gdn.in_proj_ba = w.projection(ba, H, input_norm);
+      }
+      L.gdn.out = w.projection({{g + "out_proj", H}}, HV * dv);
       // conv1d.weight is [C, 1, K] in the checkpoint.
       const TensorRecord& cw = ck.require(base + g + "conv1d.weight", {C, 1, K});
       L.gdn.conv_weight = arena.alloc(f32, {C, K});
@@ -65,9 +70,8 @@ Qwen35Model::Qwen35Model(const ModelConfig& config, const Checkpoint& ck, Backen
       L.gdn.dt_bias = w.load(g + "dt_bias", {HV}, f32);
       L.gdn.norm = w.load(g + "norm.weight", {dv}, f32);
     }
-    L.gate_up = w.glu_linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", I, H);
-    be_.fold_norm_weight(L.gate_up.weight, post_norm);
-    L.down = w.linear({{p + "mlp.down_proj.weight", {H, I}}});
+    L.gate_up = w.projection({{p + "mlp.gate_proj", I}, {p + "mlp.up_proj", I}}, H, post_norm, /*glu=*/true);
+    L.down = w.projection({{p + "mlp.down_proj", H}}, I);
     layers_.push_back(std::move(L));
   }
 }
@@ -150,9 +154,16 @@ void Qwen35Model::forward_embedded(int64_t T, const Tensor& positions, const Ten
       be_.linear_add(attn_out, L.attn.o, delta, x);
     } else {
       const int64_t C = gdn_.conv_dim(), vdim = gdn_.num_v_heads * gdn_.v_head_dim, HV = gdn_.num_v_heads;
-      Tensor all = proj.cols(0, L.gdn.in_proj.out_features());
+      const int64_t width = C + vdim + 2 * HV;
+      Tensor all = proj.cols(0, width);
       Tensor conv_out = mixed.cols(0, C), o = ws.gdn_out.rows(0, T), gated = ws.gated.rows(0, T);
-      be_.rms_norm_linear(x, eps, L.gdn.in_proj, normed, all);
+      if (L.gdn.in_proj_ba.weight.defined()) {
+        // Two linears of one norm, into the column ranges of one output.
+        be_.rms_norm_linear(x, eps, L.gdn.in_proj, normed, all.cols(0, C + vdim));
+        be_.rms_norm_linear(x, eps, L.gdn.in_proj_ba, normed, all.cols(C + vdim, 2 * HV));
+      } else {
+        be_.rms_norm_linear(x, eps, L.gdn.in_proj, normed, all);
+      }
       if (chunked_gdn) {
         be_.gdn_conv(all.cols(0, C), L.gdn.conv_weight, S.conv_state, conv_out);
         be_.gdn_chunked(conv_out, all.cols(C + vdim, 2 * HV), L.gdn.A_log, L.gdn.dt_bias, S.recurrent, gdn_, o);

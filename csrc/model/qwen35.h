@@ -6,6 +6,7 @@
 
 #include "core/arena.h"
 #include "core/safetensors.h"
+#include "model/quant_config.h"
 #include "ocria_rt/config.h"
 #include "ops/ops.h"
 
@@ -17,7 +18,10 @@ struct AttentionLayer {
 };
 
 struct DeltaNetLayer {
-  LinearWeight in_proj, out;  // in_proj: [conv_dim + HV*dv + 2*HV, H] = q | k | v | z | b | a
+  // in_proj: [conv_dim + HV*dv + 2*HV, H] = q | k | v | z | b | a. Where qkv | z and b | a are stored
+  // in different formats (in_proj_b / in_proj_a stay unquantized in quantized checkpoints), in_proj
+  // holds q | k | v | z and in_proj_ba the b | a rows, each writing its columns of the one output.
+  LinearWeight in_proj, in_proj_ba, out;
   Tensor conv_weight;         // [conv_dim, K]
   Tensor A_log, dt_bias;      // [HV]
   Tensor norm;                // [dv]
@@ -54,7 +58,9 @@ struct Workspace {
 
 class Qwen35Model {
  public:
-  Qwen35Model(const ModelConfig& config, const Checkpoint& checkpoint, Backend& backend, Arena& weights);
+  // Projections are stored as `quant` describes (dense for a dense checkpoint).
+  Qwen35Model(const ModelConfig& config, const QuantConfig& quant, const Checkpoint& checkpoint, Backend& backend,
+              Arena& weights);
 
   SequenceState make_state(Arena& arena, int64_t max_context) const;
   Workspace make_workspace(Arena& arena, int64_t max_tokens) const;
@@ -78,6 +84,8 @@ class Qwen35Model {
   const ModelConfig& config() const { return cfg_; }
   const AttentionParams& attention_params() const { return attn_; }
   const GdnParams& gdn_params() const { return gdn_; }
+  // Device bytes of the quantized linears (weights and their scales), by format.
+  const QuantizedBytes& quantized_bytes() const { return quantized_bytes_; }
 
  private:
   ModelConfig cfg_;
@@ -87,6 +95,7 @@ class Qwen35Model {
   Tensor embed_, final_norm_;
   LinearWeight lm_head_;
   std::vector<DecoderLayer> layers_;
+  QuantizedBytes quantized_bytes_;
 };
 
 }  // namespace ocria_rt

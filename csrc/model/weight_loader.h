@@ -1,6 +1,7 @@
 // Loads checkpoint tensors into backend memory: shape and dtype checked, converted to the
 // backend's dtype, and several projections stacked into one weight where they share an input (the
-// MLP's gate and up interleaved in the GLU layout of ops.h).
+// MLP's gate and up interleaved in the GLU layout of ops.h). Projections of a quantized checkpoint
+// are loaded in the storage format its QuantConfig gives them (ops.h LinearWeight).
 #pragma once
 #include <cstring>
 #include <string>
@@ -10,6 +11,7 @@
 #include "core/arena.h"
 #include "ocria_rt/error.h"
 #include "core/safetensors.h"
+#include "model/quant_config.h"
 #include "ops/ops.h"
 
 namespace ocria_rt {
@@ -19,6 +21,27 @@ class WeightLoader {
  public:
   WeightLoader(const Checkpoint& ck, Backend& be, Arena& arena, std::string prefix)
       : ck_(ck), be_(be), arena_(arena), prefix_(std::move(prefix)) {}
+  // The same for a decoder whose projections may be quantized as `quant` describes; the device bytes
+  // of quantized linears are added to *bytes.
+  WeightLoader(const Checkpoint& ck, Backend& be, Arena& arena, std::string prefix, const QuantConfig& quant,
+               QuantizedBytes& bytes)
+      : ck_(ck), be_(be), arena_(arena), prefix_(std::move(prefix)), quant_(&quant), quantized_bytes_(&bytes) {}
+
+  // One part of a projection: the module prefix + name (its tensors name.weight, name.weight_scale,
+  // ...) with `rows` output features.
+  struct Part {
+    std::string name;
+    int64_t rows;
+  };
+  // The storage format the quant config gives these parts; Error(kModelError) naming the tensors
+  // unless they all share one (a fused projection is one LinearWeight).
+  LinearWeight::Format format_of(const std::vector<Part>& parts) const;
+  // The parts [rows_i, in] as one projection, stacked along the output rows or (glu: two parts, gate
+  // and up) interleaved in the GLU layout, in their format_of. `norm`: the name of the zero-centred
+  // RMSNorm weight [in] whose output the projection reads, or "": folded into a dense weight
+  // (Backend::fold_norm_weight), and as its (1 + w) into the input_scale of a quantized one, times
+  // the AWQ pre_quant_scale where the checkpoint has one.
+  LinearWeight projection(const std::vector<Part>& parts, int64_t in, const std::string& norm = "", bool glu = false);
 
   // One tensor named prefix + name with exactly `shape` (at most 2-D here: [rows] or [rows, cols]).
   Tensor load(const std::string& name, std::vector<int64_t> shape, DType dtype) {
@@ -54,11 +77,9 @@ class WeightLoader {
   // (ops.h: kGluGroup rows of gate, the same rows of up, the next kGluGroup rows of gate, ...),
   // interleaved on the host in the checkpoint's dtype and then copied (and converted) at once.
   LinearWeight glu_linear(const std::string& gate, const std::string& up, int64_t I, int64_t in) {
+    check_glu(gate, I);
     const TensorRecord& g = ck_.require(prefix_ + gate, {I, in});
     const TensorRecord& u = ck_.require(prefix_ + up, {I, in});
-    if (I % kGluGroup != 0)
-      throw Error(ErrorCode::kModelError, "tensor '" + prefix_ + gate + "' has " + std::to_string(I) +
-                                              " rows (intermediate_size); the MLP needs a multiple of 8");
     if (g.dtype != u.dtype)
       throw Error(ErrorCode::kModelError, "tensors '" + prefix_ + gate + "' (" + g.dtype_str + ") and '" + prefix_ + up +
                                               "' (" + u.dtype_str + ") must have the same dtype");
@@ -82,10 +103,20 @@ class WeightLoader {
   }
 
  private:
+  void check_glu(const std::string& gate, int64_t I) const {
+    if (I % kGluGroup != 0)
+      throw Error(ErrorCode::kModelError, "tensor '" + prefix_ + gate + "' has " + std::to_string(I) +
+                                              " rows (intermediate_size); the MLP needs a multiple of 8");
+  }
+  LinearWeight quantized_projection(LinearWeight::Format format, const std::vector<Part>& parts, int64_t in,
+                                    const std::string& norm, bool glu);
+
   const Checkpoint& ck_;
   Backend& be_;
   Arena& arena_;
   std::string prefix_;
+  const QuantConfig* quant_ = nullptr;
+  QuantizedBytes* quantized_bytes_ = nullptr;
 };
 
 }  // namespace ocria_rt

@@ -101,6 +101,7 @@ class Backend {
   virtual void* allocate(size_t bytes) = 0;
   virtual void release(void* ptr) = 0;
   // dst <- host data of src_dtype (F32/BF16/F16/I32), converted to dst.dtype; dst may be strided.
+  // U8 and F8E4M3 destinations (quantized weights) take data of their own dtype, copied as raw bytes.
   virtual void copy_from_host(const Tensor& dst, const void* src, DType src_dtype) = 0;
   // host fp32 (or int32 for I32 tensors) <- src; waits for the copy.
   virtual void copy_to_host(void* dst, const Tensor& src) = 0;
@@ -168,8 +169,7 @@ class Backend {
   // W[:, k] *= 1 + norm_weight[k], rounded to W's dtype: the zero-centred RMSNorm weight (F32 [K])
   // moved into the columns of the linear W [N, K] that reads the norm's output, once, at load time.
   // Then rms_norm(x, w) · W^T = rms_norm(x, unit) · W'^T (up to that rounding). Dense weights only:
-  // a quantized format will be folded before it is quantized, and a checkpoint quantized elsewhere
-  // will need (1 + w) applied to x instead.
+  // the loader puts (1 + w) into a quantized weight's input_scale instead (WeightLoader::projection).
   virtual void fold_norm_weight(const Tensor& w, const Tensor& norm_weight) = 0;
 
   // out [T, N] = rms_norm(x, unit) · W^T (+ bias): an RMSNorm of x [T, K] with its weight folded into W.

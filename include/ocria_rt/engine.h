@@ -62,6 +62,11 @@ struct EngineStats {
   std::string device;
   std::string backend_name;
   int64_t weight_bytes = 0;     // weights resident on the device
+  // Of weight_bytes, those of quantized linears (their weights and scales) by format; the rest is
+  // unquantized (embeddings, norms, the vision tower, layers the checkpoint keeps dense).
+  int64_t weight_bytes_fp8 = 0;
+  int64_t weight_bytes_nvfp4 = 0;
+  std::string quantization;     // the checkpoint's quantization: "none", "modelopt" or "compressed-tensors"
   int64_t state_bytes = 0;      // KV cache + Gated DeltaNet state
   int64_t workspace_bytes = 0;
   int64_t launches_per_decode_step = 0;  // GPU launches the host issues per decode step (1 with graphs)

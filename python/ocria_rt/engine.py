@@ -83,6 +83,9 @@ class Engine:
         return int(self._core.max_context)
 
     def stats(self) -> dict[str, object]:
+        """Device, backend and memory: weight_bytes (weight_bytes_by_format splits them into "dense",
+        "fp8" and "nvfp4", a quantized linear's scales counted with it), state_bytes, workspace_bytes;
+        quantization ("none", "modelopt" or "compressed-tensors"); launches and kernels per decode step."""
         return dict(self._core.stats())
 
     # ---- tokens <-> text ----

@@ -31,10 +31,15 @@ void CpuBackend::release(void* ptr) { std::free(ptr); }
 
 void CpuBackend::copy_from_host(const Tensor& dst, const void* src, DType src_dtype) {
   const int64_t rows = dst.ndim == 0 ? 1 : dst.dim(0), cols = dst.ndim == 0 ? 1 : dst.row_size();
-  if (dst.dtype == DType::I32) {
-    if (src_dtype != DType::I32) throw Error(ErrorCode::kInternal, "copy_from_host: I32 destination needs I32 data");
+  if (dst.dtype == DType::I32 || dst.dtype == DType::U8 || dst.dtype == DType::F8E4M3) {
+    // Integers and quantized weights' raw bytes are copied as they are.
+    if (src_dtype != dst.dtype)
+      throw Error(ErrorCode::kInternal, std::string("copy_from_host: ") + dtype_name(dst.dtype) + " destination needs " +
+                                            dtype_name(dst.dtype) + " data, got " + dtype_name(src_dtype));
+    const size_t esz = dtype_size(dst.dtype);
     for (int64_t r = 0; r < rows; ++r)
-      std::memcpy(dst.ptr<int32_t>() + r * dst.row_stride, static_cast<const int32_t*>(src) + r * cols, cols * 4);
+      std::memcpy(static_cast<char*>(dst.data) + size_t(r * dst.row_stride) * esz,
+                  static_cast<const char*>(src) + size_t(r * cols) * esz, size_t(cols) * esz);
     return;
   }
   expect_cpu_f32(dst, "copy_from_host destination");
@@ -46,6 +51,8 @@ void CpuBackend::copy_from_host(const Tensor& dst, const void* src, DType src_dt
 }
 
 void CpuBackend::copy_to_host(void* dst, const Tensor& src) {
+  if (src.dtype != DType::F32 && src.dtype != DType::I32)
+    throw Error(ErrorCode::kInternal, std::string("copy_to_host: cannot read back a ") + dtype_name(src.dtype) + " tensor");
   const int64_t rows = src.ndim == 0 ? 1 : src.dim(0), cols = src.ndim == 0 ? 1 : src.row_size();
   for (int64_t r = 0; r < rows; ++r)
     std::memcpy(static_cast<char*>(dst) + r * cols * 4, static_cast<const char*>(src.data) + r * src.row_stride * 4, cols * 4);

@@ -1,0 +1,170 @@
+"""Reading and dequantizing quantized safetensors checkpoints with numpy alone.
+
+Written from the format description in shared QUANT.md, independently of the tools that write the
+checkpoints (nvidia-modelopt, llm-compressor / compressed-tensors) and of the engine's loader. Used by
+tests/fixtures/make_quant_fixtures.py to build the reference models and by tests/test_quant_fixtures.py.
+
+Weight-only semantics: input scales are ignored; a pre_quant_scale s (x is multiplied by s before the
+product) is folded into the weight's columns, W[:, k] * s[k].
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+
+NVFP4_BLOCK = 16
+
+# E2M1 code -> value: bit 3 is the sign, bits 0-2 index the magnitudes.
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
+E2M1_TABLE = np.concatenate([E2M1_VALUES, -E2M1_VALUES])
+
+
+def _e4m3fn_table() -> np.ndarray:
+    """float8_e4m3fn byte -> float32: 1 sign, 4 exponent (bias 7), 3 mantissa bits; exponent 0 is
+    subnormal (m / 8 * 2^-6); S.1111.111 is NaN; there is no infinity."""
+    codes = np.arange(256)
+    sign = np.where(codes & 0x80, -1.0, 1.0)
+    exp = (codes >> 3) & 0xF
+    man = codes & 0x7
+    mag = np.where(exp == 0, man / 8.0 * 2.0**-6, (1.0 + man / 8.0) * 2.0 ** (exp - 7.0))
+    mag = np.where((exp == 15) & (man == 7), np.nan, mag)
+    return (sign * mag).astype(np.float32)
+
+
+E4M3_TABLE = _e4m3fn_table()
+
+_PLAIN_DTYPES = {"F32": np.float32, "F64": np.float64, "F16": np.float16, "I64": np.int64, "I32": np.int32,
+                 "U8": np.uint8, "F8_E4M3": np.uint8, "BF16": np.uint16}
+
+
+class Tensor:
+    """One safetensors entry: its dtype name as written and its raw array (F8_E4M3 as uint8 codes,
+    BF16 as uint16 bits); `f32()` decodes a floating-point tensor to float32."""
+
+    def __init__(self, dtype: str, raw: np.ndarray):
+        self.dtype = dtype
+        self.raw = raw
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.raw.shape)
+
+    def f32(self) -> np.ndarray:
+        if self.dtype == "BF16":
+            return (self.raw.astype(np.uint32) << 16).view(np.float32)
+        if self.dtype == "F8_E4M3":
+            return E4M3_TABLE[self.raw]
+        if self.dtype in ("F32", "F16", "F64"):
+            return self.raw.astype(np.float32)
+        raise ValueError(f"tensor of dtype {self.dtype} is not floating point")
+
+
+def read_safetensors(path: Path) -> dict[str, Tensor]:
+    data = Path(path).read_bytes()
+    (header_len,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + header_len])
+    body = memoryview(data)[8 + header_len :]
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = info["dtype"]
+        if dtype not in _PLAIN_DTYPES:
+            raise ValueError(f"{path}: tensor {name} has unsupported dtype {dtype}")
+        begin, end = info["data_offsets"]
+        arr = np.frombuffer(body[begin:end], dtype=_PLAIN_DTYPES[dtype]).reshape(info["shape"])
+        out[name] = Tensor(dtype, arr)
+    return out
+
+
+def read_checkpoint(directory: Path) -> dict[str, Tensor]:
+    tensors: dict[str, Tensor] = {}
+    for f in sorted(Path(directory).glob("*.safetensors")):
+        tensors.update(read_safetensors(f))
+    return tensors
+
+
+def decode_e2m1(packed: np.ndarray, low_first: bool = True) -> np.ndarray:
+    """[N, K/2] uint8 -> [N, K] float32. low_first: element 2j is the low nibble of byte j."""
+    lo = E2M1_TABLE[packed & 0x0F]
+    hi = E2M1_TABLE[packed >> 4]
+    first, second = (lo, hi) if low_first else (hi, lo)
+    return np.stack([first, second], axis=-1).reshape(packed.shape[0], 2 * packed.shape[1])
+
+
+def dequant_nvfp4(packed: np.ndarray, block_scale: np.ndarray, global_scale: float,
+                  low_first: bool = True) -> np.ndarray:
+    """W[n, k] = e2m1(q[n, k]) * block_scale[n, k // 16] * global_scale (all float32)."""
+    values = decode_e2m1(packed, low_first)
+    n, k = values.shape
+    if block_scale.shape != (n, k // NVFP4_BLOCK):
+        raise ValueError(f"block scale shape {block_scale.shape} does not fit weight [{n}, {k}]")
+    scales = np.repeat(block_scale.astype(np.float32), NVFP4_BLOCK, axis=1)
+    return values * scales * np.float32(global_scale)
+
+
+def dequant_fp8(codes: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """W = e4m3(codes) * scale, scale per tensor (size 1) or per output row ([N] or [N, 1])."""
+    w = E4M3_TABLE[codes]
+    s = np.asarray(scale, dtype=np.float32)
+    if s.size == 1:
+        return w * s.reshape(())
+    if s.size != w.shape[0]:
+        raise ValueError(f"FP8 scale of {s.size} elements for weight {w.shape}")
+    return w * s.reshape(-1, 1)
+
+
+def quantized_linears(tensors: dict[str, Tensor]) -> dict[str, str]:
+    """Module path -> format for every quantized linear: "nvfp4" (ModelOpt: U8 weight + weight_scale_2),
+    "ct_nvfp4" (compressed-tensors: weight_packed + weight_global_scale) or "fp8" (F8_E4M3 weight)."""
+    formats = {}
+    for name, t in tensors.items():
+        if name.endswith(".weight_packed"):
+            formats[name[: -len(".weight_packed")]] = "ct_nvfp4"
+        elif name.endswith(".weight") and t.dtype == "U8":
+            formats[name[: -len(".weight")]] = "nvfp4"
+        elif name.endswith(".weight") and t.dtype == "F8_E4M3":
+            formats[name[: -len(".weight")]] = "fp8"
+    return formats
+
+
+def dequant_linear(tensors: dict[str, Tensor], module: str, fmt: str, low_first: bool = True) -> np.ndarray:
+    """The dense fp32 weight [N, K] of one quantized linear (pre_quant_scale folded into the columns)."""
+    if fmt == "nvfp4":
+        w = dequant_nvfp4(tensors[module + ".weight"].raw, tensors[module + ".weight_scale"].f32(),
+                          float(tensors[module + ".weight_scale_2"].f32()), low_first)
+    elif fmt == "ct_nvfp4":
+        w = dequant_nvfp4(tensors[module + ".weight_packed"].raw, tensors[module + ".weight_scale"].f32(),
+                          1.0 / float(tensors[module + ".weight_global_scale"].f32().reshape(())), low_first)
+    elif fmt == "fp8":
+        w = dequant_fp8(tensors[module + ".weight"].raw, tensors[module + ".weight_scale"].f32())
+    else:
+        raise ValueError(f"unknown quantized format {fmt} for {module}")
+    pre = tensors.get(module + ".pre_quant_scale")
+    if pre is not None:
+        w = w * pre.f32().reshape(1, -1)
+    return w
+
+
+# Tensors that belong to a quantized linear besides its weight; they have no dense counterpart.
+QUANT_AUX_SUFFIXES = (".weight_scale", ".weight_scale_2", ".input_scale", ".weight_global_scale",
+                      ".input_global_scale", ".pre_quant_scale")
+
+
+def checksum(w: np.ndarray) -> list[float]:
+    """[sum, sum |w|, sum w * pattern] in float64; the position-dependent pattern catches a permutation
+    (a swapped nibble order, a transposed block scale) that the first two would miss."""
+    w64 = w.astype(np.float64)
+    pattern = np.cos(0.37 * np.arange(w64.size, dtype=np.float64)).reshape(w64.shape)
+    return [float(w64.sum()), float(np.abs(w64).sum()), float((w64 * pattern).sum())]
+
+
+def relerr(a: np.ndarray, b: np.ndarray) -> float:
+    """||a - b|| / ||b|| (Frobenius)."""
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
