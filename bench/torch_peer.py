@@ -165,6 +165,20 @@ class FusedKernels(TorchKernels):
     def __init__(self, max_context: int, device: torch.device):
         self.cu_q = torch.tensor([0, 1], device=device, dtype=torch.int32)
         self.cu_k = torch.tensor([0, max_context], device=device, dtype=torch.int32)
+        # Flash attention must honour seqused_k (rows past it hold other data): checked against the
+        # masked SDPA on random data; a torch where it fails or differs falls back to that SDPA.
+        g = torch.Generator(device=device).manual_seed(0)
+        q, k, v = (torch.randn(shape, device=device, generator=g).to(torch.bfloat16)
+                   for shape in ((4, 64), (max_context, 2, 64), (max_context, 2, 64)))
+        used = torch.full((1,), min(3, max_context), device=device, dtype=torch.int32)
+        try:
+            err = (self.flash_decode(q, k, v, used, 0.125).float() - TorchKernels.decode_attention(q, k, v, used, 0.125).float())
+            failure = None if float(err.abs().max()) < 2e-2 else f"differs from SDPA by {float(err.abs().max()):.3g}"
+        except (RuntimeError, TypeError, NotImplementedError) as e:
+            failure = str(e).splitlines()[0][:120]
+        if failure:
+            self.decode_attention = TorchKernels.decode_attention
+            self.attention = f"{TorchKernels.attention} (flash attention: {failure})"
 
     @staticmethod
     def add_rms_norm(delta, residual, weight, eps):
@@ -212,6 +226,9 @@ class FusedKernels(TorchKernels):
         return o
 
     def decode_attention(self, q, k_cache, v_cache, used, scale):
+        return self.flash_decode(q, k_cache, v_cache, used, scale)
+
+    def flash_decode(self, q, k_cache, v_cache, used, scale):
         """torch's flash attention, varlen form: one sequence whose keys are the whole static cache
         (cu_k = [0, max_context]) of which only seqused_k = `used` rows count."""
         out = torch.ops.aten._flash_attention_forward(q[None], k_cache, v_cache, self.cu_q, self.cu_k, 1, k_cache.shape[0],
@@ -288,10 +305,16 @@ class TorchPeer:
 
     def _allocate(self) -> None:
         dev, n = self.device, self.max_context
+        # RoPE as x * cos + x[perm] * sin over the whole head: perm swaps the two rotated halves, the
+        # sign of the first half's sine is folded into the table, and dims past `rot` get cos 1, sin 0
+        half, hd = self.rot // 2, self.hd
         inv_freq = 1.0 / self.cfg["rope_theta"] ** (torch.arange(0, self.rot, 2, dtype=torch.float64) / self.rot)
         ang = torch.arange(n, dtype=torch.float64)[:, None] * inv_freq[None, :]
-        # [n, 2, rot]: cos and sin over the two rotated halves, indexed by position
-        self.rope_table = torch.stack([torch.cos(ang).repeat(1, 2), torch.sin(ang).repeat(1, 2)], 1).to(dev, torch.float32)
+        cos, sin = torch.ones(n, hd, dtype=torch.float64), torch.zeros(n, hd, dtype=torch.float64)
+        cos[:, : self.rot] = torch.cos(ang).repeat(1, 2)
+        sin[:, :half], sin[:, half: self.rot] = -torch.sin(ang), torch.sin(ang)
+        self.rope_table = torch.stack([cos, sin], 1).to(dev, torch.float32)  # [n, 2, hd], indexed by position
+        self.rope_perm = torch.cat([torch.arange(half, self.rot), torch.arange(half), torch.arange(self.rot, hd)]).to(dev)
         for L in self.layers:
             if L["attn"]:
                 L["k_cache"] = torch.zeros(n, self.Hkv, self.hd, device=dev, dtype=self.dtype)
@@ -307,12 +330,10 @@ class TorchPeer:
 
     # -- pieces shared by prefill and decode --
     def _rope(self, x, cos_sin):
-        """Rotates the first `rot` dims of x [..., T, heads, hd] (halves layout); cos_sin [T, 2, rot]."""
-        half = self.rot // 2
-        xr = x[..., : self.rot].float()
-        rotated = torch.cat([-xr[..., half:], xr[..., :half]], -1)
-        cos, sin = cos_sin[:, None, 0], cos_sin[:, None, 1]
-        return torch.cat([(xr * cos + rotated * sin).to(x.dtype), x[..., self.rot:]], -1)
+        """Rotates the first `rot` dims of x [T, heads, hd] (the two-halves layout); cos_sin [T, 2, hd]."""
+        xf = x.float()
+        rotated = torch.addcmul(xf * cos_sin[:, None, 0], xf.index_select(-1, self.rope_perm), cos_sin[:, None, 1])
+        return rotated.to(x.dtype)
 
     def _qkv_heads(self, L, h, cos_sin):
         """The attention projections of h [T, H]: q and k normed and rotated [T, heads, hd], v, and

@@ -21,12 +21,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from torch_peer import TorchPeer  # noqa: E402
 
 
-def prompt_of(name: str, length: int) -> list[int]:
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """The peer's CPU path is many tiny ops: one thread is several times faster than two, busy ones."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def prompt_of(name: str, length: int, vocab: int) -> list[int]:
     """The fixture's greedy prompt, extended with seeded ids to `length` tokens (conv windows and
     attention over more than a few positions)."""
-    ref = load_reference(name)
-    prompt = [int(t) for t in ref["greedy_prompt"]]
-    vocab = ocria_rt.Engine(FIXTURES / name).config["vocab_size"]
+    prompt = [int(t) for t in load_reference(name)["greedy_prompt"]]
     extra = np.random.default_rng(7).integers(0, vocab, max(0, length - len(prompt)))
     return prompt + [int(t) for t in extra]
 
@@ -35,8 +42,8 @@ def prompt_of(name: str, length: int) -> list[int]:
 def test_peer_matches_cpu_engine(name):
     """Teacher-forced logits (the prefill's last row, then one decode step per token) equal the
     engine's within fp32 rounding, and free-running greedy decoding gives the engine's tokens."""
-    eng = ocria_rt.Engine(FIXTURES / name)
-    prompt = prompt_of(name, 40)
+    eng = ocria_rt.Engine(FIXTURES / name, num_threads=1)
+    prompt = prompt_of(name, 40, eng.vocab_size)
     cont = eng.generate(prompt, max_new_tokens=24, stop_token_ids=[]).token_ids
     want = eng.score(prompt + cont[:-1])[len(prompt) - 1:]
     peer = TorchPeer(FIXTURES / name, device="cpu", dtype=torch.float32, max_context=128, max_new_tokens=32)
