@@ -369,6 +369,15 @@ def logit_err_cell(checks: dict) -> str:
     return " / ".join(f"{checks[k]['median_rel_logit_err']:.3f}" if k in checks else "-" for k in ("graph_peer", "eager_peer"))
 
 
+def failure(what: str, e: Exception) -> dict:
+    """An exception as a JSON entry, its traceback in the log."""
+    import traceback
+
+    traceback.print_exc()
+    print(f"{what} failed: {type(e).__name__}: {e}", flush=True)
+    return {"error": f"{type(e).__name__}: {e}"}
+
+
 def quantized_dir(bf16_dir: Path, fmt: str) -> Path:
     """The checkpoint of format `fmt` made from the BF16 random weights at bf16_dir (written once,
     quantized on the GPU)."""
@@ -417,24 +426,30 @@ def main() -> int:
     for shape in args.shapes.split(","):
         c = full_config(SHAPES[shape])
         bf16_dir = make_random_checkpoint(shape, args.workdir / shape)
-        peer = None
+        peer = peer_failure = None
         if not (args.no_peer or args.no_graph_peer):
-            peer = TorchPeer(bf16_dir, device="cuda", max_context=max(prompts) + max(args.new_tokens, args.check_tokens) + 8,
-                             max_new_tokens=max(args.new_tokens, args.check_tokens))
+            try:
+                peer = TorchPeer(bf16_dir, device="cuda", max_new_tokens=max(args.new_tokens, args.check_tokens),
+                                 max_context=max(prompts) + max(args.new_tokens, args.check_tokens) + 8)
+            except Exception as e:  # a peer that cannot run must not lose our figures
+                peer_failure = failure("graph peer", e)
         for n in prompts:
             prompt = [int(t) for t in rng.integers(0, c["vocab_size"], n)]
             mid_context = n + args.new_tokens // 2
             bf16_roof = bw / bytes_per_decode_step(c, mid_context)["total"]
-            graph_peer = eager_peer = None
+            graph_peer, eager_peer = peer_failure, None
             checks, reference = {}, None
             eager = not (args.no_peer or args.no_eager_peer)
             if args.check_tokens and (peer is not None or eager):
                 reference = our_greedy_reference(bf16_dir, prompt, args.check_tokens)
             if peer is not None:
-                graph_peer = bench_graph_peer(peer, prompt, args.new_tokens, args.reps)
-                if reference:
-                    forced = peer.teacher_forced_logits(prompt, reference[0]).numpy()
-                    checks["graph_peer"] = compare_greedy(reference[1], forced, reference[0], args.check_margin)
+                try:
+                    graph_peer = bench_graph_peer(peer, prompt, args.new_tokens, args.reps)
+                    if reference:
+                        forced = peer.teacher_forced_logits(prompt, reference[0]).numpy()
+                        checks["graph_peer"] = compare_greedy(reference[1], forced, reference[0], args.check_margin)
+                except Exception as e:
+                    graph_peer = failure("graph peer", e)
             if eager:
                 eager_peer, forced = bench_eager_peer(bf16_dir, prompt, args.peer_tokens, reference and reference[0])
                 if reference:
@@ -466,6 +481,7 @@ def main() -> int:
                 result["runs"].append(run)
                 ok = "error" not in ours
                 tps = ours["decode_tokens_per_s"] if ok else None
+                gp = graph_peer if graph_peer and "error" not in graph_peer else None
                 rows.append({
                     "model": shape, "prompt": n, "weights": fmt,
                     "ours tok/s": f"{tps:.1f}" if ok else "failed",
@@ -478,10 +494,9 @@ def main() -> int:
                     "kernels/step": ours["kernels_per_step"] if ok else "-",
                     "prefill tok/s": f"{n / ours['prefill_s']:.0f}" if ok else "-",
                     "prefill % matmul": f"{100 * flops / ours['prefill_s'] / mm:.1f}" if ok else "-",
-                    "graph peer tok/s": f"{graph_peer['decode_tokens_per_s']:.1f}" if graph_peer else "-",
-                    "graph peer % BF16 roofline": (f"{100 * graph_peer['decode_tokens_per_s'] / bf16_roof:.1f}"
-                                                   if graph_peer else "-"),
-                    "vs graph peer": f"{tps / graph_peer['decode_tokens_per_s']:.2f}x" if graph_peer and ok else "-",
+                    "graph peer tok/s": f"{gp['decode_tokens_per_s']:.1f}" if gp else ("failed" if graph_peer else "-"),
+                    "graph peer % BF16 roofline": f"{100 * gp['decode_tokens_per_s'] / bf16_roof:.1f}" if gp else "-",
+                    "vs graph peer": f"{tps / gp['decode_tokens_per_s']:.2f}x" if gp and ok else "-",
                     "graph peer tokens differ (clear / all)": token_check_cell(run.get("token_check", {}).get("graph_peer")),
                     "logit rel err graph / eager": logit_err_cell(run.get("token_check", {})),
                     "eager peer tok/s": f"{eager_peer['decode_tokens_per_s']:.1f}" if eager_peer else "-",
