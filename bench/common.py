@@ -97,8 +97,9 @@ def vision_weight_shapes(v: dict) -> dict[str, tuple[int, ...]]:
     return s
 
 
-def make_random_checkpoint(shape_name: str, directory: Path, seed: int = 0, vision: dict | None = None) -> Path:
-    """A BF16 checkpoint of random weights drawn on the GPU (scaled so activations stay O(1)); with
+def make_random_checkpoint(shape_name: str, directory: Path, seed: int = 0, vision: dict | None = None,
+                           device: str = "cuda") -> Path:
+    """A BF16 checkpoint of random weights drawn on `device` (scaled so activations stay O(1)); with
     `vision`, a Qwen3_5ForConditionalGeneration checkpoint holding that vision encoder too."""
     import torch
     from safetensors.torch import save_file
@@ -107,7 +108,7 @@ def make_random_checkpoint(shape_name: str, directory: Path, seed: int = 0, visi
     if (directory / "config.json").exists():
         return directory
     c = full_config(SHAPES[shape_name])
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     shapes = weight_shapes(c)
     if vision is not None:
         shapes = {k.replace("model.", "model.language_model.", 1): v for k, v in shapes.items()}
@@ -115,26 +116,26 @@ def make_random_checkpoint(shape_name: str, directory: Path, seed: int = 0, visi
     tensors = {}
     for name, shp in shapes.items():
         if "visual" in name and ".norm" in name and name.endswith("weight"):
-            t = torch.ones(shp, device="cuda")  # LayerNorm scale
+            t = torch.ones(shp, device=device)  # LayerNorm scale
         elif name.endswith("A_log"):
-            t = torch.log(torch.rand(shp, device="cuda", generator=g) * 15 + 1)
+            t = torch.log(torch.rand(shp, device=device, generator=g) * 15 + 1)
         elif name.endswith("dt_bias"):
-            t = torch.ones(shp, device="cuda")
+            t = torch.ones(shp, device=device)
         elif name.endswith("norm.weight") and "linear_attn" in name:
-            t = torch.ones(shp, device="cuda")
+            t = torch.ones(shp, device=device)
         elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-            t = torch.zeros(shp, device="cuda")
+            t = torch.zeros(shp, device=device)
         elif name.endswith("conv1d.weight"):
-            t = torch.randn(shp, device="cuda", generator=g) * 0.3
+            t = torch.randn(shp, device=device, generator=g) * 0.3
         elif name.endswith(".bias"):
-            t = torch.zeros(shp, device="cuda")
+            t = torch.zeros(shp, device=device)
         elif name.endswith("pos_embed.weight"):
-            t = torch.randn(shp, device="cuda", generator=g) * 0.02
+            t = torch.randn(shp, device=device, generator=g) * 0.02
         else:
             fan_in = 1
             for d in shp[1:]:
                 fan_in *= d
-            t = torch.randn(shp, device="cuda", generator=g) * fan_in**-0.5
+            t = torch.randn(shp, device=device, generator=g) * fan_in**-0.5
         tensors[name] = t.to(torch.bfloat16).cpu()
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     if vision is not None:
@@ -151,20 +152,26 @@ def make_random_checkpoint(shape_name: str, directory: Path, seed: int = 0, visi
     return directory
 
 
-def bytes_per_decode_step(c: dict, context: int) -> dict[str, float]:
-    """The fewest bytes one batch-1 decode step must move: every weight once (BF16; the embedding
-    table only for its one row unless tied, when it is the LM head), the KV cache up to `context`,
-    and the DeltaNet states read and written (fp32)."""
+def bytes_per_decode_step(c: dict, context: int, quant: str = "bf16") -> dict[str, float]:
+    """The fewest bytes one batch-1 decode step must move: every weight once (BF16, or as `quant`
+    stores it: bench/quant_checkpoint.py; the embedding table only for its one row unless tied, when
+    it is the LM head), the KV cache up to `context`, and the DeltaNet states read and written (fp32)."""
+    from quant_checkpoint import linear_bytes, module_format
+
     shapes = weight_shapes(c)
     weights = 0
     for name, shp in shapes.items():
-        n = 1
-        for d in shp:
-            n *= d
         if name == "model.embed_tokens.weight":
             continue
-        weights += 2 * n
-    weights += 2 * c["vocab_size"] * c["hidden_size"]  # LM head (tied or not, it is read once)
+        if len(shp) == 2:
+            weights += linear_bytes(*shp, module_format(name.removesuffix(".weight"), quant))
+        else:
+            n = 1
+            for d in shp:
+                n *= d
+            weights += 2 * n
+    # LM head (tied or not, it is read once)
+    weights += linear_bytes(c["vocab_size"], c["hidden_size"], module_format("lm_head", quant))
     n_attn = sum(layer_is_attention(i) for i in range(c["num_hidden_layers"]))
     n_gdn = c["num_hidden_layers"] - n_attn
     kv = n_attn * context * 2 * c["num_key_value_heads"] * c["head_dim"] * 2

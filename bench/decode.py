@@ -1,15 +1,26 @@
 """Batch-1 decode (and prefill) of Qwen3.5 text shapes on one GPU: ocria_rt against the roofline
-and against transformers + flash-linear-attention on the same weights, in the same process.
+and against two peers on the same weights, in the same process.
 
     python bench/decode.py OUT.json [--shapes ocria1-4b,qwen3.5-0.8b] [--prompts 1024,8192]
-                                    [--new-tokens 512] [--peer-tokens 32] [--no-peer] [--no-pdl-off]
-                                    [--breakdown STEPS]
+                                    [--quant bf16,fp8,nvfp4,mixed] [--new-tokens 512] [--peer-tokens 32]
+                                    [--check-tokens 128] [--check-margin 0.5] [--no-peer] [--no-graph-peer]
+                                    [--no-eager-peer] [--no-pdl-off] [--breakdown STEPS]
+
+Peers (BF16): the graph peer, bench/torch_peer.py, runs the model the way serving engines do at
+batch 1 (cuBLAS GEMMs, fla's fused DeltaNet / conv / norm kernels, torch's flash attention over a
+static KV cache, greedy on the GPU, the step captured in one CUDA graph); its greedy tokens are
+checked against ours step by step (teacher-forced on our tokens: compare_greedy). The eager peer is
+transformers + flash-linear-attention run token by token.
+
+--quant: each format's checkpoint is written from the BF16 random weights on the device in ModelOpt's
+format (bench/quant_checkpoint.py) and decoded by ours beside its own roofline (the bytes of its
+quantized step) and the BF16 graph peer.
 
 Every figure sits beside its ceiling: decode against bytes-per-step / measured copy bandwidth,
 prefill against FLOPs / the measured BF16 matmul rate. Medians over --reps runs. Decode is also
 measured with programmatic dependent launch off (OCRIA_RT_PDL=0) unless --no-pdl-off.
---breakdown STEPS adds where a decode step's GPU time goes, kernel group by kernel group, against the
-bytes each must move (see decode_breakdown), for PDL on and (unless --no-pdl-off) off.
+--breakdown STEPS adds where a BF16 decode step's GPU time goes, kernel group by kernel group, against
+the bytes each must move (see decode_breakdown), for PDL on and (unless --no-pdl-off) off.
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (SHAPES, bytes_per_decode_step, full_config, layer_is_attention, linear_params,  # noqa: E402
                     make_random_checkpoint, markdown_table, measure_copy_bandwidth, measure_matmul_rate,
                     profiled_trace_events)
+from quant_checkpoint import FORMATS, write_quantized_checkpoint  # noqa: E402
 
 
 def prefill_flops(c: dict, n: int) -> float:
@@ -259,9 +271,12 @@ def bench_ours(model_dir: Path, prompt: list[int], new_tokens: int, reps: int, p
     return out
 
 
-def bench_peer(model_dir: Path, prompt: list[int], new_tokens: int) -> dict:
+def bench_eager_peer(model_dir: Path, prompt: list[int], new_tokens: int,
+                     check_tokens: list[int] | None = None) -> tuple[dict, np.ndarray | None]:
     """transformers 5.x with flash-linear-attention kernels (when importable), BF16, greedy: the
-    prompt is prefilled once, then `new_tokens` single-token forwards with the cache are timed."""
+    prompt is prefilled once, then `new_tokens` single-token forwards with the cache are timed.
+    With check_tokens, also its logits [len, vocab] predicting each of them after the prompt and the
+    ones before (one forward), else None."""
     import torch
     import transformers
 
@@ -287,9 +302,86 @@ def bench_peer(model_dir: Path, prompt: list[int], new_tokens: int) -> dict:
             cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
         torch.cuda.synchronize()
         decode = time.perf_counter() - t0
-    del model, cache, out
+        del cache, out
+        forced = None
+        if check_tokens:
+            seq = torch.tensor([prompt + check_tokens[:-1]], device="cuda")
+            forced = model(seq, logits_to_keep=len(check_tokens)).logits[0].float().cpu().numpy()
+    del model
     torch.cuda.empty_cache()
-    return {"decode_tokens_per_s": new_tokens / decode, "prefill_s": prefill, "fla": fla_version, "tokens": new_tokens}
+    return {"decode_tokens_per_s": new_tokens / decode, "prefill_s": prefill, "fla": fla_version, "tokens": new_tokens}, forced
+
+
+def bench_graph_peer(peer, prompt: list[int], new_tokens: int, reps: int) -> dict:
+    """The graph peer (bench/torch_peer.py, built once per shape): greedy from the prompt, the decode
+    steps timed (new_tokens - 1 graph replays after the prefill's token, as ours counts them)."""
+    rates = []
+    for _ in range(reps):
+        tokens, seconds = peer.generate(prompt, new_tokens)
+        assert len(tokens) == new_tokens
+        rates.append((new_tokens - 1) / seconds)
+    return {"decode_tokens_per_s": statistics.median(rates), "tokens": new_tokens, "kernels": peer.kernels.name,
+            "attention": peer.kernels.attention, "cuda_graph": peer.graph is not None}
+
+
+def compare_greedy(ours: np.ndarray, theirs: np.ndarray, our_tokens: list[int], margin: float) -> dict:
+    """Our greedy tokens against a peer's, step by step: ours [steps, vocab] are our logits at each
+    step (predicting our_tokens), theirs the peer's after the same tokens (teacher-forced). A step
+    where the argmaxes differ counts as a disagreement beyond BF16 noise only where our top-2 margin
+    exceeds `margin` (logits); the logit differences themselves are reported too."""
+    ours, theirs = np.asarray(ours, np.float64), np.asarray(theirs, np.float64)
+    top2 = np.partition(ours, -2, axis=-1)[:, -2:]
+    our_margin = top2.max(-1) - top2.min(-1)
+    differ = theirs.argmax(-1) != np.asarray(our_tokens)
+    clear = our_margin > margin
+    diff = np.abs(theirs - ours)
+    rel = np.linalg.norm(theirs - ours, axis=-1) / np.linalg.norm(ours, axis=-1)
+    return {"steps": int(len(our_tokens)), "margin": margin, "steps_above_margin": int(clear.sum()),
+            "disagreements_above_margin": int((differ & clear).sum()), "disagreements": int(differ.sum()),
+            "margins_where_they_differ": [round(float(m), 4) for m in our_margin[differ]],
+            "median_margin": float(np.median(our_margin)), "max_abs_logit_diff": float(diff.max()),
+            "median_step_max_abs_logit_diff": float(np.median(diff.max(-1))),
+            "median_rel_logit_err": float(np.median(rel))}
+
+
+def our_greedy_reference(model_dir: Path, prompt: list[int], steps: int) -> tuple[list[int], np.ndarray]:
+    """Our greedy continuation (the decode path) and our logits along it [steps, vocab] (score)."""
+    import ocria_rt
+
+    eng = ocria_rt.Engine(model_dir, device="cuda", max_context=len(prompt) + steps + 8)
+    tokens = eng.generate(prompt, max_new_tokens=steps, stop_token_ids=[]).token_ids
+    logits = eng.score(prompt + tokens[:-1])[len(prompt) - 1:].copy()  # the rest of score's array goes
+    del eng
+    return tokens, logits
+
+
+def token_check_cell(check: dict | None) -> str:
+    if not check:
+        return "-"
+    return (f"{check['disagreements_above_margin']}/{check['steps_above_margin']} "
+            f"({check['disagreements']}/{check['steps']})")
+
+
+def logit_err_cell(checks: dict) -> str:
+    """The median relative logit error against ours: graph peer / eager peer (BF16's own yardstick)."""
+    if not checks:
+        return "-"
+    return " / ".join(f"{checks[k]['median_rel_logit_err']:.3f}" if k in checks else "-" for k in ("graph_peer", "eager_peer"))
+
+
+def failure(what: str, e: Exception) -> dict:
+    """An exception as a JSON entry, its traceback in the log."""
+    import traceback
+
+    traceback.print_exc()
+    print(f"{what} failed: {type(e).__name__}: {e}", flush=True)
+    return {"error": f"{type(e).__name__}: {e}"}
+
+
+def quantized_dir(bf16_dir: Path, fmt: str) -> Path:
+    """The checkpoint of format `fmt` made from the BF16 random weights at bf16_dir (written once,
+    quantized on the GPU)."""
+    return write_quantized_checkpoint(bf16_dir, bf16_dir.with_name(f"{bf16_dir.name}-{fmt}"), fmt, device="cuda")
 
 
 def main() -> int:
@@ -297,17 +389,33 @@ def main() -> int:
     ap.add_argument("out", type=Path, help="JSON output path")
     ap.add_argument("--shapes", default="ocria1-4b,qwen3.5-0.8b")
     ap.add_argument("--prompts", default="1024,8192")
+    ap.add_argument("--quant", default="bf16", help=f"weight formats to decode, of {','.join(FORMATS)}")
     ap.add_argument("--new-tokens", type=int, default=512)
-    ap.add_argument("--peer-tokens", type=int, default=32, help="tokens the (slow) peer generates")
-    ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--peer-tokens", type=int, default=32, help="tokens the (slow) eager peer generates")
+    ap.add_argument("--check-tokens", type=int, default=128,
+                    help="greedy steps compared between ours and the graph peer (0: no check)")
+    # BF16 noise on these random weights: a logit's error is ~0.1 (BF16 against fp32, qwen3.5-0.8b shape,
+    # measured on the CPU), so two BF16 runs' top-2 differences differ by ~0.2 rms; 0.5 is 2.5 of those.
+    ap.add_argument("--check-margin", type=float, default=0.5,
+                    help="our top-2 logit margin above which a differing token counts as a disagreement")
+    ap.add_argument("--no-peer", action="store_true", help="neither peer")
+    ap.add_argument("--no-graph-peer", action="store_true")
+    ap.add_argument("--no-eager-peer", action="store_true")
     ap.add_argument("--no-pdl-off", action="store_true", help="skip the decode run with OCRIA_RT_PDL=0")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/ocria-bench"))
     ap.add_argument("--breakdown", type=int, default=0, metavar="STEPS",
                     help="also profile STEPS decode steps: GPU time per kernel name (0: off)")
     args = ap.parse_args()
+    formats = args.quant.split(",")
+    for fmt in formats:
+        if fmt not in FORMATS:
+            ap.error(f"--quant: unknown format {fmt!r} (one of {', '.join(FORMATS)})")
+    prompts = [int(x) for x in args.prompts.split(",")]
 
+    import ocria_rt
     import torch
+    from torch_peer import TorchPeer
 
     bw = measure_copy_bandwidth()
     mm = measure_matmul_rate()
@@ -317,44 +425,88 @@ def main() -> int:
     rng = np.random.default_rng(0)
     for shape in args.shapes.split(","):
         c = full_config(SHAPES[shape])
-        model_dir = make_random_checkpoint(shape, args.workdir / shape)
-        for n in (int(x) for x in args.prompts.split(",")):
+        bf16_dir = make_random_checkpoint(shape, args.workdir / shape)
+        peer = peer_failure = None
+        if not (args.no_peer or args.no_graph_peer):
+            try:
+                peer = TorchPeer(bf16_dir, device="cuda", max_new_tokens=max(args.new_tokens, args.check_tokens),
+                                 max_context=max(prompts) + max(args.new_tokens, args.check_tokens) + 8)
+            except Exception as e:  # a peer that cannot run must not lose our figures
+                peer_failure = failure("graph peer", e)
+        for n in prompts:
             prompt = [int(t) for t in rng.integers(0, c["vocab_size"], n)]
-            ours = bench_ours(model_dir, prompt, args.new_tokens, args.reps, breakdown_steps=args.breakdown, c=c, bw=bw)
             mid_context = n + args.new_tokens // 2
-            need = bytes_per_decode_step(c, mid_context)
-            roof_tps = bw / need["total"]
-            flops = prefill_flops(c, n)
-            run = {"shape": shape, "prompt": n, "new_tokens": args.new_tokens, "ours": ours, "bytes_per_step": need,
-                   "roofline_tokens_per_s": roof_tps, "prefill_flops": flops}
-            if not args.no_pdl_off:
-                run["ours_pdl_off"] = bench_ours(model_dir, prompt, args.new_tokens, args.reps, pdl=False,
-                                                 breakdown_steps=args.breakdown, c=c, bw=bw)
-            if not args.no_peer:
-                run["peer"] = bench_peer(model_dir, prompt, args.peer_tokens)
-            result["runs"].append(run)
-            rows.append({
-                "model": shape, "prompt": n,
-                "ours tok/s": f"{ours['decode_tokens_per_s']:.1f}",
-                "ms/step": f"{1e3 / ours['decode_tokens_per_s']:.2f}",
-                "ms/step PDL off": (f"{1e3 / run['ours_pdl_off']['decode_tokens_per_s']:.2f}"
-                                    if "ours_pdl_off" in run else "-"),
-                "roofline tok/s": f"{roof_tps:.1f}",
-                "% roofline": f"{100 * ours['decode_tokens_per_s'] / roof_tps:.1f}",
-                "launches/step": ours["launches_per_step"], "kernels/step": ours["kernels_per_step"],
-                "prefill tok/s": f"{n / ours['prefill_s']:.0f}",
-                "prefill % matmul": f"{100 * flops / ours['prefill_s'] / mm:.1f}",
-                "peer tok/s": f"{run['peer']['decode_tokens_per_s']:.1f}" if "peer" in run else "-",
-                "peer prefill tok/s": f"{n / run['peer']['prefill_s']:.0f}" if "peer" in run else "-",
-                "speed-up": f"{ours['decode_tokens_per_s'] / run['peer']['decode_tokens_per_s']:.1f}x" if "peer" in run else "-",
-            })
-            args.out.write_text(json.dumps(result, indent=1))
-            print(rows[-1], flush=True)
-    print()
-    print(f"Device: {result['device']}; copy bandwidth {bw / 1e12:.2f} TB/s; BF16 matmul {mm / 1e12:.0f} TFLOP/s "
-          f"(both measured in this run). Roofline = bytes per step (weights + KV at mid-generation context + "
-          f"DeltaNet state) / copy bandwidth. Peer: transformers + flash-linear-attention, {args.peer_tokens} tokens.")
-    print(markdown_table(rows, list(rows[0].keys())))
+            bf16_roof = bw / bytes_per_decode_step(c, mid_context)["total"]
+            graph_peer, eager_peer = peer_failure, None
+            checks, reference = {}, None
+            eager = not (args.no_peer or args.no_eager_peer)
+            if args.check_tokens and (peer is not None or eager):
+                reference = our_greedy_reference(bf16_dir, prompt, args.check_tokens)
+            if peer is not None:
+                try:
+                    graph_peer = bench_graph_peer(peer, prompt, args.new_tokens, args.reps)
+                    if reference:
+                        forced = peer.teacher_forced_logits(prompt, reference[0]).numpy()
+                        checks["graph_peer"] = compare_greedy(reference[1], forced, reference[0], args.check_margin)
+                except Exception as e:
+                    graph_peer = failure("graph peer", e)
+            if eager:
+                eager_peer, forced = bench_eager_peer(bf16_dir, prompt, args.peer_tokens, reference and reference[0])
+                if reference:
+                    checks["eager_peer"] = compare_greedy(reference[1], forced, reference[0], args.check_margin)
+            del reference
+            for fmt in formats:
+                model_dir = bf16_dir if fmt == "bf16" else quantized_dir(bf16_dir, fmt)
+                need = bytes_per_decode_step(c, mid_context, quant=fmt)
+                roof_tps = bw / need["total"]
+                flops = prefill_flops(c, n)
+                steps = args.breakdown if fmt == "bf16" else 0  # the breakdown's byte labels are BF16's
+                run = {"shape": shape, "prompt": n, "weights": fmt, "new_tokens": args.new_tokens, "bytes_per_step": need,
+                       "roofline_tokens_per_s": roof_tps, "bf16_roofline_tokens_per_s": bf16_roof, "prefill_flops": flops}
+                try:
+                    ours = bench_ours(model_dir, prompt, args.new_tokens, args.reps, breakdown_steps=steps, c=c, bw=bw)
+                    if not args.no_pdl_off:
+                        run["ours_pdl_off"] = bench_ours(model_dir, prompt, args.new_tokens, args.reps, pdl=False,
+                                                         breakdown_steps=steps, c=c, bw=bw)
+                except ocria_rt.OcriaError as e:  # e.g. a format the engine cannot load yet
+                    ours = {"error": f"{type(e).__name__}: {e}"}
+                    print(f"{shape} {fmt}: {ours['error']}", flush=True)
+                run["ours"] = ours
+                if graph_peer:
+                    run["graph_peer"] = graph_peer
+                if checks and fmt == formats[0]:  # on the BF16 weights, reported once per prompt
+                    run["token_check"] = checks
+                if eager_peer:
+                    run["peer"] = eager_peer
+                result["runs"].append(run)
+                ok = "error" not in ours
+                tps = ours["decode_tokens_per_s"] if ok else None
+                gp = graph_peer if graph_peer and "error" not in graph_peer else None
+                rows.append({
+                    "model": shape, "prompt": n, "weights": fmt,
+                    "ours tok/s": f"{tps:.1f}" if ok else "failed",
+                    "ms/step": f"{1e3 / tps:.2f}" if ok else "-",
+                    "ms/step PDL off": (f"{1e3 / run['ours_pdl_off']['decode_tokens_per_s']:.2f}"
+                                        if "ours_pdl_off" in run else "-"),
+                    "roofline tok/s": f"{roof_tps:.1f}",
+                    "% roofline": f"{100 * tps / roof_tps:.1f}" if ok else "-",
+                    "launches/step": ours["launches_per_step"] if ok else "-",
+                    "kernels/step": ours["kernels_per_step"] if ok else "-",
+                    "prefill tok/s": f"{n / ours['prefill_s']:.0f}" if ok else "-",
+                    "prefill % matmul": f"{100 * flops / ours['prefill_s'] / mm:.1f}" if ok else "-",
+                    "graph peer tok/s": f"{gp['decode_tokens_per_s']:.1f}" if gp else ("failed" if graph_peer else "-"),
+                    "graph peer % BF16 roofline": f"{100 * gp['decode_tokens_per_s'] / bf16_roof:.1f}" if gp else "-",
+                    "vs graph peer": f"{tps / gp['decode_tokens_per_s']:.2f}x" if gp and ok else "-",
+                    "graph peer tokens differ (clear / all)": token_check_cell(run.get("token_check", {}).get("graph_peer")),
+                    "logit rel err graph / eager": logit_err_cell(run.get("token_check", {})),
+                    "eager peer tok/s": f"{eager_peer['decode_tokens_per_s']:.1f}" if eager_peer else "-",
+                    "eager peer prefill tok/s": f"{n / eager_peer['prefill_s']:.0f}" if eager_peer else "-",
+                    "vs eager peer": f"{tps / eager_peer['decode_tokens_per_s']:.1f}x" if eager_peer and ok else "-",
+                })
+                args.out.write_text(json.dumps(result, indent=1))
+                print(rows[-1], flush=True)
+        del peer
+        torch.cuda.empty_cache()
     for run in result["runs"]:
         for which, label in (("ours", "PDL on"), ("ours_pdl_off", "PDL off")):
             b = run.get(which, {}).get("breakdown")
@@ -367,6 +519,17 @@ def main() -> int:
                      f"the bytes at copy bandwidth take {b['ideal_us_per_step']:.0f} us (profiled; {b['steps']} steps)"))
             if "groups" in b:
                 print(breakdown_table(b))
+    print()
+    print(f"Device: {result['device']}; copy bandwidth {bw / 1e12:.2f} TB/s; BF16 matmul {mm / 1e12:.0f} TFLOP/s "
+          f"(both measured in this run). Roofline = bytes per step (weights as stored: BF16, or FP8 / NVFP4 values + "
+          f"block scales + fp32 row scales; KV at mid-generation context; DeltaNet state) / copy bandwidth. "
+          f"Graph peer (BF16, {args.new_tokens} tokens): bench/torch_peer.py, the serving-engine recipe in one CUDA "
+          f"graph; tokens differ: steps where its greedy token differs from ours, teacher-forced on our "
+          f"{args.check_tokens} greedy tokens, among the steps where our top-2 logit margin exceeds "
+          f"{args.check_margin} (clear) and among all; logit rel err: median over those steps of "
+          f"|peer - ours| / |ours| (the eager peer's is BF16's own yardstick on these random weights). "
+          f"Eager peer: transformers + flash-linear-attention, {args.peer_tokens} tokens.")
+    print(markdown_table(rows, list(rows[0].keys())))
     return 0
 
 
