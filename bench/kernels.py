@@ -11,6 +11,9 @@
   --rows-sweep with block tiles of each listed height (OCRIA_RT_SKINNY_ROWS); --sweep-shapes limits
   the sweeps to the shapes whose names hold one of the listed pieces;
 - linear, prefill (M = 8192): TFLOP/s against torch.matmul (cuBLAS) on the same shapes, same run;
+- quantized linears (FP8, NVFP4 weights; --skip-quant leaves them out): decode at M = 1..16 against
+  the copy bandwidth on the bytes they must move (the quantized weight with its scales, x, out), and
+  prefill at M = 8192 in TFLOP/s beside the BF16 GEMM of the same run;
 - Gated DeltaNet recurrence per layer at T = 1 and 16, against the time to read and write the fp32
   state once; GDN prefill (the chunked kernels) at T = 1k / 4k / 8k beside the token-serial
   recurrence and flash-linear-attention's chunk_gated_delta_rule (when fla and torch import);
@@ -74,11 +77,13 @@ def kernel_bench_with_env(core, var: str, value: str):
             os.environ[var] = saved
 
 
-def linear_bytes(M: int, N: int, K: int, op: str) -> int:
-    """BF16 bytes a decode linear op must move: the weight, x, and out (N / 2 columns with the GLU
-    activation; read and written again for a residual add)."""
+def linear_bytes(M: int, N: int, K: int, op: str, fmt: str = "dense") -> int:
+    """Bytes a decode linear op must move: the weight (BF16; FP8 one byte a weight and a row scale;
+    NVFP4 half a byte, a byte per 16 for the block scales and a row scale), BF16 x, and BF16 out (N / 2
+    columns with the GLU activation; read and written again for a residual add)."""
     out = M * (N // 2 if op.endswith("_glu") else N)
-    return 2 * (N * K + M * K + out * (2 if op == "linear_add" else 1))
+    weight = {"dense": 2 * N * K, "fp8": N * K + 4 * N, "nvfp4": N * K // 2 + N * K // 16 + 4 * N}[fmt]
+    return weight + 2 * (M * K + out * (2 if op == "linear_add" else 1))
 
 
 def med(xs: list[float]) -> float:
@@ -189,6 +194,9 @@ def main() -> None:
     ap.add_argument("--skip-prefill", action="store_true",
                     help="skip the M = 8192 GEMMs, the attention and DeltaNet prefill (and torch, fla)")
     ap.add_argument("--skip-linear", action="store_true", help="skip the linear layers (decode and prefill)")
+    ap.add_argument("--skip-quant", action="store_true", help="skip the quantized (FP8, NVFP4) linear layers")
+    ap.add_argument("--quant-input-scale", action="store_true",
+                    help="give the quantized weights an input_scale (x scaled per column before the product)")
     ap.add_argument("--ksplit-sweep", default="",
                     help="comma-separated skinny-GEMM split counts to time at M = 1 / 16 (e.g. 2,3,4,6,8)")
     ap.add_argument("--persistent", action="store_true",
@@ -217,6 +225,7 @@ def main() -> None:
                      "linear_decode": [], "linear_prefill": [], "gdn": [], "gdn_prefill": [], "attention": [],
                      "attention_prefill": [], "linear_decode_ksplit_sweep": [], "linear_decode_cluster_sweep": [],
                      "linear_decode_persistent_sweep": [], "linear_decode_rows_sweep": [],
+                     "linear_decode_quant": [], "linear_prefill_quant": [],
                      "sample": [], "skinny_ksplit": ksplit_mode}
     summary: list[dict] = []
 
@@ -286,6 +295,53 @@ def main() -> None:
             print(f"gemm {name}: {ours:.0f} TFLOP/s (torch {peer and round(peer)})", flush=True)
         print("\n## Linear, prefill (CUTLASS sm90 vs torch.matmul)\n")
         print(markdown_table(rows, ["shape", "M", "N", "K", "us", "TFLOP/s", "torch TFLOP/s", "vs torch"]))
+
+    # ---- quantized linears: decode (quantized bytes against the copy bandwidth), prefill beside BF16 ----
+    if not args.skip_linear and not args.skip_quant:
+        rows = []
+        for fmt in ("fp8", "nvfp4"):
+            for shape, N, K, op in LINEAR_SHAPES:
+                name = f"{shape} ({op})"
+                for M in DECODE_M:
+                    nbytes = linear_bytes(M, N, K, op, fmt)
+                    us = med(kb.linear(M, N, K, op, iters=iters_for(nbytes / bw), reps=args.reps, fmt=fmt,
+                                       input_scale=args.quant_input_scale))
+                    got = nbytes / (us * 1e-6)
+                    r = {"format": fmt, "shape": name, "M": M, "N": N, "K": K, "us": round(us, 2),
+                         "TB/s": round(got / 1e12, 3), "of copy BW": f"{got / bw:.0%}"}
+                    rows.append(r)
+                    results["linear_decode_quant"].append({**r, "bytes": nbytes, "fraction_of_copy_bw": got / bw})
+                    if M in (1, 16):
+                        summary.append({"kernel": f"linear {fmt} {name}", "case": f"M={M} N={N} K={K}",
+                                        "time": f"{us:.1f} us", "achieved": f"{got / 1e12:.2f} TB/s",
+                                        "reference": f"copy {bw / 1e12:.2f} TB/s", "ratio": f"{got / bw:.0%}"})
+                print(f"linear {fmt} {name}: " +
+                      ", ".join(f"M={r['M']} {r['us']} us {r['of copy BW']}" for r in rows[-len(DECODE_M):]), flush=True)
+        print(f"\n## Linear with quantized weights, decode / verify (input_scale: {args.quant_input_scale})\n")
+        print(markdown_table(rows, ["format", "shape", "M", "N", "K", "us", "TB/s", "of copy BW"]))
+        if not args.skip_prefill:
+            rows = []
+            for name, N, K, _ in LINEAR_SHAPES:
+                flops = 2 * PREFILL_M * N * K
+                reps = max(3, args.reps // 2)
+                iters = iters_for(flops / 600e12, lo=2, hi=20)
+                dense = flops / (med(kb.linear(PREFILL_M, N, K, iters=iters, reps=reps)) * 1e-6) / 1e12
+                r = {"shape": name, "M": PREFILL_M, "N": N, "K": K, "bf16 TFLOP/s": round(dense, 1)}
+                for fmt in ("fp8", "nvfp4"):
+                    us = med(kb.linear(PREFILL_M, N, K, iters=iters, reps=reps, fmt=fmt,
+                                       input_scale=args.quant_input_scale))
+                    tf = flops / (us * 1e-6) / 1e12
+                    r[f"{fmt} TFLOP/s"], r[f"{fmt} vs bf16"] = round(tf, 1), f"{tf / dense:.0%}"
+                    summary.append({"kernel": f"gemm {fmt} {name}", "case": f"M={PREFILL_M} N={N} K={K}",
+                                    "time": f"{us:.0f} us", "achieved": f"{tf:.0f} TFLOP/s",
+                                    "reference": f"bf16 {dense:.0f} TFLOP/s", "ratio": f"{tf / dense:.0%}"})
+                rows.append(r)
+                results["linear_prefill_quant"].append(r)
+                print(f"gemm quantized {name}: bf16 {dense:.0f}, fp8 {r['fp8 TFLOP/s']}, nvfp4 {r['nvfp4 TFLOP/s']} "
+                      "TFLOP/s", flush=True)
+            print("\n## Linear with quantized weights, prefill (dequantized rows + CUTLASS) beside BF16\n")
+            print(markdown_table(rows, ["shape", "M", "N", "K", "bf16 TFLOP/s", "fp8 TFLOP/s", "fp8 vs bf16",
+                                        "nvfp4 TFLOP/s", "nvfp4 vs bf16"]))
 
     # ---- Gated DeltaNet recurrence ----
     rows = []

@@ -32,12 +32,32 @@ class KernelBench {
   // Microseconds per call of a linear op on x [M, K] and W [N, K], as the decode step runs it: "linear"
   // (out[M, N] = x W^T), "linear_glu" (W the gate and up rows in the GLU layout, out [M, N / 2] =
   // silu(gate) * up), "rms_norm_linear" / "rms_norm_linear_glu" (the same of x's unit RMSNorm), or
-  // "linear_add" (an [M, N] residual += x W^T).
-  std::vector<double> linear(int64_t M, int64_t N, int64_t K, const std::string& op, int iters, int reps) {
+  // "linear_add" (an [M, N] residual += x W^T). fmt: the weight's format, "dense" (the backend's
+  // weight dtype), "fp8" or "nvfp4" (random codes, ops.h LinearWeight), with an input_scale if asked.
+  std::vector<double> linear(int64_t M, int64_t N, int64_t K, const std::string& op, int iters, int reps,
+                             const std::string& fmt, bool input_scale) {
     Scope scope(this);
-    const int64_t copies = copies_for(N * K * dtype_size(be_->weight_dtype()));
-    std::vector<LinearWeight> ws(copies);
-    for (auto& w : ws) w.weight = random({N, K}, be_->weight_dtype(), 1.0f / std::sqrt(float(K)));
+    std::vector<LinearWeight> ws;
+    if (fmt == "dense") {
+      ws.resize(copies_for(N * K * dtype_size(be_->weight_dtype())));
+      for (auto& w : ws) w.weight = random({N, K}, be_->weight_dtype(), 1.0f / std::sqrt(float(K)));
+    } else if (fmt == "fp8" || fmt == "nvfp4") {
+      const bool fp8 = fmt == "fp8";
+      if (!fp8 && K % LinearWeight::kNvfp4Block != 0)
+        throw Error(ErrorCode::kInvalidArgument, "KernelBench.linear: NVFP4 needs K a multiple of 16");
+      ws.resize(copies_for(fp8 ? N * K : N * K / 2 + N * K / 16));
+      for (auto& w : ws) {
+        w.format = fp8 ? LinearWeight::Format::kFp8 : LinearWeight::Format::kNvfp4;
+        // FP8: codes of magnitude 0.5 .. 2, either sign; NVFP4: any nibbles, block scales 0.5 .. 2.
+        w.weight = fp8 ? random_bytes({N, K}, DType::F8E4M3, 0x8F, 0x30) : random_bytes({N, K / 2}, DType::U8, 0xFF, 0);
+        if (!fp8) w.block_scale = random_bytes({N, K / 16}, DType::F8E4M3, 0x0F, 0x30);
+        w.row_scale = random({N}, DType::F32, 0.0f, 1.0f / std::sqrt(float(K)));
+        if (input_scale) w.input_scale = random({K}, DType::F32, 0.1f, 1.0f);
+      }
+    } else {
+      throw Error(ErrorCode::kInvalidArgument, "KernelBench.linear: unknown weight format '" + fmt + "'");
+    }
+    const int64_t copies = int64_t(ws.size());
     const DType act = be_->activation_dtype();
     Tensor x = random({M, K}, act, 1.0f), out = alloc({M, N}, act), half = alloc({M, N / 2}, act);
     Tensor normed = alloc({M, K}, act), delta = alloc({M, N}, act);
@@ -209,6 +229,28 @@ class KernelBench {
     return t;
   }
 
+  // Random bytes of a U8 / F8E4M3 tensor: (next byte & mask) | set.
+  Tensor random_bytes(std::initializer_list<int64_t> dims, DType dtype, uint8_t mask, uint8_t set) {
+    Tensor t = alloc(dims, dtype);
+    std::vector<uint8_t> buf(t.nbytes());
+    for (auto& b : buf) b = uint8_t((uint8_t(next() >> 56) & mask) | set);
+    be_->copy_from_host(t, buf.data(), dtype);
+    return t;
+  }
+
+  // offset + pseudo-normal values (sum of uniforms) times `scale`.
+  Tensor random(std::initializer_list<int64_t> dims, DType dtype, float offset, float scale) {
+    Tensor t = random(dims, dtype, scale);
+    const int64_t n = t.numel();
+    if (offset != 0.0f && n > 0) {
+      std::vector<float> v(size_t(n), 0.0f);
+      be_->copy_to_host(v.data(), t);
+      for (float& f : v) f = offset + std::fabs(f);
+      be_->copy_from_host(t, v.data(), DType::F32);
+    }
+    return t;
+  }
+
   // Pseudo-normal values (sum of uniforms) times `scale`, uploaded a slab at a time.
   Tensor random(std::initializer_list<int64_t> dims, DType dtype, float scale) {
     Tensor t = alloc(dims, dtype);
@@ -287,7 +329,7 @@ void register_kernel_bench(py::module_& m) {
       .def(py::init<const std::string&>(), py::arg("device"))
       .def_property_readonly("name", &KernelBench::name)
       .def("linear", &KernelBench::linear, py::arg("M"), py::arg("N"), py::arg("K"), py::arg("op") = "linear",
-           py::arg("iters") = 50, py::arg("reps") = 10)
+           py::arg("iters") = 50, py::arg("reps") = 10, py::arg("fmt") = "dense", py::arg("input_scale") = false)
       .def("gdn", &KernelBench::gdn, py::arg("T"), py::arg("hk"), py::arg("hv"), py::arg("dk"), py::arg("dv"),
            py::arg("chunked") = false, py::arg("iters") = 50, py::arg("reps") = 10)
       .def("gdn_decode", &KernelBench::gdn_decode, py::arg("T"), py::arg("hk"), py::arg("hv"), py::arg("dk"),

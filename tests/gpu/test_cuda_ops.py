@@ -367,6 +367,175 @@ def test_linear_rows32(cpu, gpu_with_env, M, K, N):
             np.testing.assert_array_equal(got, ref16)
 
 
+# ---- quantized weights (ops.h LinearWeight kFp8 / kNvfp4): the skinny GEMM decodes them in
+# registers (M <= 16), prefill and shapes it cannot take go through dequantized BF16 rows ----
+
+
+def quant_weight(rng, fmt, N, K, input_scale=False, random_bytes=True):
+    """A QuantWeight of [N, K]: random bytes (every FP8 code but NaN, subnormals included; every E2M1
+    nibble; block scales from 0 to 2^-9 .. 8, subnormal ones included) or a normal matrix quantized as
+    ModelOpt does; per-row scales; input_scale in [0.5, 2] where asked for."""
+    if fmt == "fp8":
+        if random_bytes:
+            bits = rng.integers(0, 256, (N, K), dtype=np.uint8)
+            bits[(bits & 0x7F) == 0x7F] = 0x3C
+            row_scale = rng.uniform(0.5, 2, N) / (200 * K**0.5)
+        else:
+            bits, scale = ref.quantize_fp8(rng.standard_normal((N, K)) * K**-0.5, per_channel=True)
+            row_scale = scale
+        block_scale = None
+    else:
+        if random_bytes:
+            bits = rng.integers(0, 256, (N, K // 2), dtype=np.uint8)
+            block_scale = rng.integers(0x00, 0x58, (N, K // 16), dtype=np.uint8)
+            row_scale = rng.uniform(0.5, 2, N) / (3 * K**0.5)
+        else:
+            bits, block_scale, g = ref.quantize_nvfp4(rng.standard_normal((N, K)) * K**-0.5)
+            row_scale = np.full(N, g) * rng.uniform(0.5, 2, N)  # fused parts: a global scale per row
+    s_in = rng.uniform(0.5, 2, K).astype(np.float32) if input_scale else None
+    return _core.QuantWeight(fmt, bits, block_scale, np.asarray(row_scale, np.float32), s_in)
+
+
+# fmt, M, K, N: one and two token tiles (M = 1, 2, 5, 9, 16), 8-warp blocks of one or two row tiles,
+# persistent blocks (N = 12352, 18432), 16-warp blocks and clusters of 2 (N = 2560), odd N (a partial
+# last row tile), K with a partial last chunk (FP8 chunks are 64 wide: K = 208; NVFP4 128: K = 320,
+# 448), prefill sizes (17, 100: dequantized rows, then CUTLASS), and K that the skinny GEMM cannot take
+# (FP8 K % 16, NVFP4 K % 64, e.g. 208: dequantized rows and the tiled GEMM at M <= 16).
+QUANT_LINEAR_CASES = [
+    (fmt, M, K, N) for fmt in ("fp8", "nvfp4") for M, K, N in [
+        (1, 256, 96), (2, 512, 1001), (5, 2560, 2560), (16, 2560, 12352), (9, 4096, 2560), (1, 2560, 18432),
+        (16, 9216, 2560), (1, 320, 40), (3, 448, 33), (4, 208, 50), (17, 256, 136), (100, 512, 1000)]
+] + [("fp8", 3, 40, 24), ("fp8", 1, 72, 17), ("nvfp4", 2, 48, 24), ("nvfp4", 1, 96, 17)]
+
+
+@pytest.mark.parametrize("input_scale", [False, True])
+@pytest.mark.parametrize("fmt,M,K,N", QUANT_LINEAR_CASES)
+def test_linear_quantized(cpu, gpu, fmt, M, K, N, input_scale):
+    """(x * input_scale) · W^T (+ bias) against the CPU's dequantized fp32 product: BF16 out, and F32
+    out with a bias."""
+    rng = np.random.default_rng(M * 7919 + K * 31 + N + 8 * input_scale)
+    w = quant_weight(rng, fmt, N, K, input_scale)
+    x, bias = randn(rng, M, K), randn(rng, N)
+    assert relerr(gpu.linear(x, w), cpu.linear(x, w)) <= OUT_TOL
+    assert relerr(gpu.linear(x, w, bias, True), cpu.linear(x, w, bias)) <= OUT_TOL
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("M,K,N", [(1, 512, 200), (16, 1024, 64), (40, 256, 72)])
+def test_linear_quantized_modelopt_weights(cpu, gpu, fmt, M, K, N):
+    """Weights quantized from a normal matrix (ModelOpt's recipe): the product of the dequantized
+    weights, with input_scale."""
+    rng = np.random.default_rng(M + K + N)
+    w = quant_weight(rng, fmt, N, K, input_scale=True, random_bytes=False)
+    x = randn(rng, M, K)
+    assert relerr(gpu.linear(x, w), cpu.linear(x, w)) <= OUT_TOL
+
+
+# fmt, M, K, I (GLU: N = 2I): the 4B's gate_up at one token (persistent), one and two token tiles,
+# a prefill size, and K the skinny GEMM cannot take.
+QUANT_GLU_CASES = [(fmt, M, K, I) for fmt in ("fp8", "nvfp4")
+                   for M, K, I in [(1, 2560, 9216), (5, 512, 264), (16, 1024, 512), (17, 256, 64), (2, 48, 16)]]
+
+
+@pytest.mark.parametrize("input_scale", [False, True])
+@pytest.mark.parametrize("fmt,M,K,I", QUANT_GLU_CASES)
+def test_quantized_glu(cpu, gpu, fmt, M, K, I, input_scale):
+    """linear_glu and rms_norm_linear_glu (the norm's scale from the x before input_scale) against the
+    CPU; the rows are taken to be in the GLU layout."""
+    rng = np.random.default_rng(M * 31 + K + I + input_scale)
+    w = quant_weight(rng, fmt, 2 * I, K, input_scale)
+    x = bf16(randn(rng, M, K) * rng.uniform(0.5, 40, (M, 1)).astype(np.float32))
+    assert relerr(gpu.linear_glu(x, w), cpu.linear_glu(x, w)) <= OUT_TOL
+    got, normed = gpu.rms_norm_linear(x, w, 1e-6, glu=True)
+    assert relerr(got, cpu.rms_norm_linear(x, w, 1e-6, glu=True)[0]) <= OUT_TOL
+    if M <= 16 and K % (16 if fmt == "fp8" else 64) == 0:
+        assert np.isnan(normed).all()  # the decode path scales the sums, never forms the normed rows
+
+
+# fmt, M, K, N: the 4B's in_proj and qkv (persistent), o_proj and down (16 warps; above 8 tokens
+# clusters of 2), odd N, prefill.
+QUANT_BLOCK_END_CASES = [(fmt, M, K, N) for fmt in ("fp8", "nvfp4")
+                         for M, K, N in [(1, 2560, 12352), (16, 2560, 10240), (1, 4096, 2560), (9, 9216, 2560),
+                                         (5, 1024, 999), (17, 512, 256)]]
+
+
+@pytest.mark.parametrize("input_scale", [False, True])
+@pytest.mark.parametrize("fmt,M,K,N", QUANT_BLOCK_END_CASES)
+def test_quantized_block_ends(cpu, gpu, fmt, M, K, N, input_scale):
+    """rms_norm_linear (x the un-normed residual, of varied scale per token; with a bias) and
+    linear_add against the CPU."""
+    rng = np.random.default_rng(M * 7 + K + N + input_scale)
+    w = quant_weight(rng, fmt, N, K, input_scale)
+    x = bf16(randn(rng, M, K) * rng.uniform(0.5, 40, (M, 1)).astype(np.float32))
+    bias, res = randn(rng, N), randn(rng, M, N, scale=4)
+    got, normed = gpu.rms_norm_linear(x, w, 1e-6, bias)
+    assert relerr(got, cpu.rms_norm_linear(x, w, 1e-6, bias)[0]) <= OUT_TOL
+    if M <= 16:
+        assert np.isnan(normed).all()
+    x = randn(rng, M, K)
+    assert relerr(gpu.linear_add(x, w, res), cpu.linear_add(x, w, res)) <= OUT_TOL
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("env", [("OCRIA_RT_SKINNY_PERSISTENT", "1"), ("OCRIA_RT_SKINNY_PERSISTENT", "0"),
+                                 ("OCRIA_RT_SKINNY_ROWS", "32"), ("OCRIA_RT_SKINNY_ROWS", "16"),
+                                 ("OCRIA_RT_SKINNY_CLUSTER", "2"), ("OCRIA_RT_SKINNY_CLUSTER", "4"),
+                                 ("OCRIA_RT_SKINNY_CLUSTER", "0"), ("OCRIA_RT_SKINNY_KSPLIT", "3")])
+@pytest.mark.parametrize("M,K,N", [(1, 2560, 2560), (12, 1536, 5008), (16, 4096, 1000)])
+def test_quantized_launch_shapes(cpu, gpu_with_env, fmt, env, M, K, N):
+    """Each of the skinny GEMM's switches with a quantized weight (split-K over the grid asked for does
+    not apply, 4 blocks a cluster become 2): linear, linear_glu and linear_add against the CPU."""
+    rng = np.random.default_rng(M + K + N)
+    w = quant_weight(rng, fmt, N // 16 * 16, K, input_scale=True)
+    x, res = randn(rng, M, K), randn(rng, M, N // 16 * 16, scale=4)
+    gpu = gpu_with_env(*env)
+    assert relerr(gpu.linear(x, w), cpu.linear(x, w)) <= OUT_TOL
+    assert relerr(gpu.linear_glu(x, w), cpu.linear_glu(x, w)) <= OUT_TOL
+    assert relerr(gpu.linear_add(x, w, res), cpu.linear_add(x, w, res)) <= OUT_TOL
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_quantized_element_positions(gpu, fmt):
+    """Row n of W is zero but for one element k_n = 1.0 (spread over the pieces, words and nibbles of
+    a chunk), x[k] = k + 1: out[n] = k_n + 1 exactly, so every K position reaches its own x (NVFP4: the
+    low nibble of byte k // 2 is element 2j, the high one 2j + 1)."""
+    K, N = 256, 64
+    ks = (37 * np.arange(N) + 5) % K
+    if fmt == "fp8":
+        bits = np.zeros((N, K), np.uint8)
+        bits[np.arange(N), ks] = 0x38  # e4m3 1.0
+        block_scale = None
+    else:
+        bits = np.zeros((N, K // 2), np.uint8)
+        bits[np.arange(N), ks // 2] = (0x2 << (4 * (ks % 2))).astype(np.uint8)  # e2m1 code 2 = 1.0
+        block_scale = np.full((N, K // 16), 0x38, np.uint8)
+    w = _core.QuantWeight(fmt, bits, block_scale, np.ones(N, np.float32))
+    x = np.arange(1, K + 1, dtype=np.float32)[None, :]
+    np.testing.assert_array_equal(gpu.linear(x, w)[0], ks + 1.0)
+    np.testing.assert_array_equal(gpu.linear(np.repeat(x, 17, 0), w)[16], ks + 1.0)  # dequantized rows
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("M", [1, 16])
+def test_quantized_dependent_op_chain(cpu, monkeypatch, fmt, M):
+    """Three MLP residual blocks with quantized gate_up / down weights, back to back with PDL: against
+    the CPU, and bit for bit the same chain with PDL off."""
+    rng = np.random.default_rng(M + 5)
+    H, I = 2560, 4608
+    res = randn(rng, M, H, scale=3)
+    w_gate_up, w_down = quant_weight(rng, fmt, 2 * I, H, True), quant_weight(rng, fmt, H, I)
+    args = (res, w_gate_up, w_down, 3, 1e-6)
+    want_res, want_out = cpu.block_chain(*args)
+    got = {}
+    for pdl in ("1", "0"):
+        monkeypatch.setenv("OCRIA_RT_PDL", pdl)
+        got[pdl] = _core.OpRunner("cuda").block_chain(*args)
+    assert relerr(got["1"][0], want_res) <= CHAIN_TOL
+    assert relerr(got["1"][1], want_out) <= CHAIN_TOL
+    np.testing.assert_array_equal(got["0"][0], got["1"][0])
+    np.testing.assert_array_equal(got["0"][1], got["1"][1])
+
+
 # ---- programmatic dependent launch: dependent kernels back to back ----
 
 # (M, H, I): H = 2560 with I = 4608 takes both skinny-GEMM configurations without split-K (gate_up

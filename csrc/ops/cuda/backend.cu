@@ -183,6 +183,8 @@ void CudaBackend::free_resources() noexcept {
   splitk_scratch_ = nullptr;
   if (attn_counters_) cudaFree(attn_counters_);
   attn_counters_ = nullptr;
+  if (dequant_scratch_) cudaFree(dequant_scratch_);
+  dequant_scratch_ = nullptr;
   if (mailbox_host_) cudaFreeHost(mailbox_host_);
   mailbox_host_ = mailbox_device_ = nullptr;
   for (int i = 0; i < 2; ++i) {

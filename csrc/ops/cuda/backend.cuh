@@ -275,6 +275,7 @@ class CudaBackend final : public Backend {
   // between launches): (row tile, split) pairs it holds, one 16 x 16 fp32 partial tile each, and
   // counters for the at most kSplitKSlots / 2 tiles of a split launch.
   static constexpr int64_t kSplitKSlots = 4096;
+  static constexpr size_t kDequantScratchBytes = size_t(64) << 20;
   static constexpr size_t kSplitKCounterBytes = size_t(kSplitKSlots / 2) * sizeof(uint32_t);
   static constexpr size_t kSplitKBytes = kSplitKCounterBytes + size_t(kSplitKSlots) * 16 * 16 * sizeof(float);
   // Counters of attention_decode's one-kernel decode step (attention.cu), apart from the workspace for
@@ -392,6 +393,10 @@ class CudaBackend final : public Backend {
   // kAttnCounters counters, zeroed once; the block that uses a counter last resets it. Only touched
   // after pdl_wait().
   uint32_t* attn_counters_ = nullptr;
+  // BF16 rows of a quantized weight where linear forms its product through memory (prefill; linear.cu,
+  // linear_dequantized): kDequantScratchBytes, allocated at the first such call (never during graph
+  // capture). Its kernels launch the ordinary way, each after the previous slab's GEMM has read it.
+  void* dequant_scratch_ = nullptr;
   // Pinned staging for host copies: two halves, so that filling one chunk on the host overlaps
   // the transfer of the previous one. An F32 -> BF16 copy_from_host passes each chunk through the
   // workspace, which therefore holds at least one half.

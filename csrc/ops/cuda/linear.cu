@@ -8,6 +8,10 @@
 //  - M > 16: CUTLASS sm90 TMA/wgmma GEMM (linear_gemm_sm90.cu), bias added by a second kernel.
 //  - anything the two cannot take (K or a stride not a multiple of 8, misaligned views, F32 output
 //    for M > 16): a simple shared-memory tiled kernel.
+// Quantized weights (ops.h LinearWeight kFp8 / kNvfp4): for M <= 16 the skinny GEMM streams their
+// bytes and decodes them to BF16 in registers (the notes before skinny_gemm_kernel); above that, and
+// for shapes it cannot take, linear_dequantized writes BF16 rows into a scratch a slab at a time and
+// runs the dense GEMM on them.
 // linear_glu: the MLP's act = silu(gate) * up from a weight in the GLU layout (ops.h); for M <= 16
 // the skinny GEMM applies it as it stores (one pass, and the down projection then reads a plain
 // [M, I] input), above that through memory (GEMM, then silu_mul).
@@ -102,25 +106,114 @@ __device__ __forceinline__ float add_squares(const uint4& v, float acc) {
   return acc;
 }
 
-// Dynamic shared memory: the ring (S stages of U chunks of 2 RT rows per thread), then (cluster
-// split-K) the partial tiles of blocks 1 .. CS-1.
-template <int WARPS, int U, int S, int RT> constexpr int skinny_ring_bytes() {
-  return S * U * 2 * RT * WARPS * 32 * 16;
+// ---- quantized weights (LinearWeight kFp8 / kNvfp4): the same 64-byte chunks of a row ----
+//
+// A thread's 16-byte piece of a 64-byte row chunk holds PK = 8 (BF16), 16 (FP8) or 32 (NVFP4) K
+// values, so a chunk spans KC = 4 PK of K and the ring, its cp.async pieces and the bytes in flight
+// are those of the BF16 kernel. Thread t's piece is K [c KC + PK t, + PK) of its rows, and it loads
+// the same K range of x (PK / 8 16-byte loads per token). The weight is decoded to BF16 in registers,
+// in an order of K pairs that the x fragments follow:
+//  - FP8: word i of the piece (K 4i .. 4i+3) gives the pairs (4i, 4i+1) and (4i+2, 4i+3), the a0 / a2
+//    (row g) and a1 / a3 (row g + 8) words of one k16 mma step whose B words are x words 2i, 2i+1.
+//    e4m3 bits s.eeee.mmm placed at BF16 bits 15 and 4..10 read as e4m3 * 2^-120 (subnormals too),
+//    and one BF16 multiply by 2^120 makes them exact.
+//  - NVFP4: word i (K 8i .. 8i+7, nibble n at bits 4n..4n+3) gives the pairs (n, n + 4), n < 4: the
+//    sign moves to bit 15 / 31 and the 3 magnitude bits to BF16 bits 6..8 (exponent LSBs and top
+//    mantissa bit), which reads as e2m1 * 2^-126. One BF16 multiply by the block scale times 2^118
+//    (bf16x2, both halves) gives e2m1 * scale * 2^-8 exactly (at most 6 significant bits, normal),
+//    and the row scale applied to the fp32 sums carries the 2^8. x words are permuted with prmt into
+//    the same pairs (x_n, x_n+4). The piece's 32 K are the two 16-element scale blocks 2t and 2t + 1 of
+//    the chunk; a thread copies the aligned 4-byte word holding both into a second ring of 4-byte slots.
+// row_scale multiplies a row's fp32 sums before the bias, input_scale multiplies x (loaded a stage
+// ahead) just before its products, rounded to BF16; NORM's sum of squares is of the x before it.
+enum class WFmt : int { kBf16 = 0, kFp8 = 1, kNvfp4 = 2 };
+template <WFmt F> constexpr int wfmt_k_per_chunk() { return 32 << int(F); }
+
+// The scales of a quantized weight (unused for BF16): block_scale rows of ldbs bytes (NVFP4),
+// row_scale [N], input_scale [K] or null.
+struct QuantView {
+  const uint8_t* block_scale = nullptr;
+  int64_t ldbs = 0;
+  const float* row_scale = nullptr;
+  const float* input_scale = nullptr;
+};
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
 }
-template <int WARPS, int NT, int U, int S, int CS, int RT> constexpr int skinny_smem_bytes() {
-  return skinny_ring_bytes<WARPS, U, S, RT>() + (CS - 1) * 16 * 8 * NT * int(sizeof(float));
+__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
+  __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&b));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+constexpr uint32_t kBf16x2Pow2_120 = 0x7B807B80u;  // (2^120, 2^120)
+constexpr uint32_t kBf16x2Pow2_118 = 0x7A807A80u;  // (2^118, 2^118)
+// The NVFP4 products come out 2^-8 of their value (see above).
+constexpr float kNvfp4SumScale = 256.0f;
+// Two e4m3 bytes, placed by the prmt selector `sel` as [b0, sign(b0), b1, sign(b1)], as a bf16x2 of
+// their values times 2^-120 (BF16 bits 15 and 4..10; the sign byte supplies bit 15 after the shift).
+__device__ __forceinline__ uint32_t e4m3x2_raw(uint32_t q, uint32_t sel) {
+  return (prmt(q, 0u, sel) << 4) & 0x87F087F0u;
+}
+// FP8 word q (K 4i .. 4i+3) -> the BF16 pairs (4i, 4i+1) in lo and (4i+2, 4i+3) in hi, exact.
+__device__ __forceinline__ void fp8_pairs(uint32_t q, uint32_t& lo, uint32_t& hi) {
+  lo = bf16x2_mul(e4m3x2_raw(q, 0x9180u), kBf16x2Pow2_120);
+  hi = bf16x2_mul(e4m3x2_raw(q, 0xB3A2u), kBf16x2Pow2_120);
+}
+// NVFP4 word q (8 nibbles) -> p[n] = the pair (nibble n, nibble n + 4) times `scale` (a bf16x2
+// broadcast of the block scale times 2^118), i.e. e2m1 * block scale * 2^-8.
+__device__ __forceinline__ void nvfp4_pairs(uint32_t q, uint32_t scale, uint32_t (&p)[4]) {
+  p[0] = bf16x2_mul(((q << 12) & 0x80008000u) | ((q << 6) & 0x01C001C0u), scale);
+  p[1] = bf16x2_mul(((q << 8) & 0x80008000u) | ((q << 2) & 0x01C001C0u), scale);
+  p[2] = bf16x2_mul(((q << 4) & 0x80008000u) | ((q >> 2) & 0x01C001C0u), scale);
+  p[3] = bf16x2_mul((q & 0x80008000u) | ((q >> 6) & 0x01C001C0u), scale);
+}
+// x words (x0 x1 | x2 x3 | x4 x5 | x6 x7) -> the pairs (x0 x4 | x1 x5 | x2 x6 | x3 x7) of nvfp4_pairs.
+__device__ __forceinline__ uint4 nvfp4_x_order(const uint4& v) {
+  return make_uint4(prmt(v.x, v.z, 0x5410u), prmt(v.x, v.z, 0x7632u), prmt(v.y, v.w, 0x5410u), prmt(v.y, v.w, 0x7632u));
+}
+// A thread's two NVFP4 block scales from the 4-byte word holding them (bytes sel-chosen, see the
+// kernel) -> bf16x2 broadcasts of scale * 2^118: s0 for the piece's K 0..15, s1 for K 16..31.
+__device__ __forceinline__ void nvfp4_scales(uint32_t word, uint32_t sel, uint32_t& s0, uint32_t& s1) {
+  const uint32_t s = bf16x2_mul(bf16x2_mul(e4m3x2_raw(word, sel), kBf16x2Pow2_120), kBf16x2Pow2_118);
+  s0 = prmt(s, 0u, 0x1010u);
+  s1 = prmt(s, 0u, 0x3232u);
+}
+// The 8 BF16 x values of v (K k .. k+7) times input_scale[k .. k+7], rounded to BF16.
+__device__ __forceinline__ uint4 scale_x(const uint4& v, const float* __restrict__ in_scale) {
+  const float4 a = __ldg(reinterpret_cast<const float4*>(in_scale)), b = __ldg(reinterpret_cast<const float4*>(in_scale) + 1);
+  auto mul = [](uint32_t w, float s_lo, float s_hi) {
+    const __nv_bfloat162 r =
+        __floats2bfloat162_rn(__uint_as_float(w << 16) * s_lo, __uint_as_float(w & 0xffff0000u) * s_hi);
+    return *reinterpret_cast<const uint32_t*>(&r);
+  };
+  return make_uint4(mul(v.x, a.x, a.y), mul(v.y, a.z, a.w), mul(v.z, b.x, b.y), mul(v.w, b.z, b.w));
+}
+// Word i (0..3) of a 16-byte piece.
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+// Dynamic shared memory: the ring (S stages of U chunks of 2 RT rows per thread; NVFP4: then the
+// ring of their 4-byte block-scale words), then (cluster split-K) the partial tiles of blocks 1 .. CS-1.
+template <int WARPS, int U, int S, int RT, WFmt F> constexpr int skinny_ring_bytes() {
+  return S * U * 2 * RT * WARPS * 32 * (F == WFmt::kNvfp4 ? 20 : 16);
+}
+template <int WARPS, int NT, int U, int S, int CS, int RT, WFmt F> constexpr int skinny_smem_bytes() {
+  return skinny_ring_bytes<WARPS, U, S, RT, F>() + (CS - 1) * 16 * 8 * NT * int(sizeof(float));
 }
 // How many stages ahead of its use a thread loads x (into that many register sets). Its loads queue
 // behind the weight bytes the SM has in flight, (S - 1) stages of them, so one stage ahead is not
 // enough: ncu put a quarter of in_proj's stall samples at 1 token on the move of the x registers
-// (long scoreboard), and a third at 16 tokens on the mma that reads them (H200). The 8-warp blocks of
-// one token tile load 3 ahead (a thread stays within the 80 registers of 3 blocks per SM): alone,
-// in_proj 16.3 -> 15.8 us and qkv 14.5 -> 14.2 at 1 token against 1 ahead, the LM head 307 -> 291 us
-// at 4; the decode step does not move (4B 402.6 against 402.5 / 403.5 tokens/s). The others, whose
-// registers are spent, keep 1.
-template <int WARPS, int NT> constexpr int skinny_x_ahead() { return WARPS == 8 && NT == 1 ? 3 : 1; }
-// The K range [0, kpre) of the stages issued before pdl_wait().
-template <int WARPS, int U, int S> constexpr int skinny_prologue_k() { return (S - 1) * U * WARPS * 32; }
+// (long scoreboard), and a third at 16 tokens on the mma that reads them (H200). The 8-warp blocks
+// of one token tile load 3 ahead (a thread stays within the 80 registers of 3 blocks per SM): alone, in_proj 16.3 -> 15.8 us and qkv 14.5 -> 14.2 at 1 token, the
+// LM head 307 -> 291 us at 4; the decode step is unchanged (4B 402.6 against 402.5 / 403.5 tokens/s).
+// The others, whose registers are spent, keep 1.
+// Quantized weights keep 1: their x pieces are 2 or 4 times as many registers.
+template <int WARPS, int NT, WFmt F> constexpr int skinny_x_ahead() {
+  return F == WFmt::kBf16 && WARPS == 8 && NT == 1 ? 3 : 1;
+}
+// The chunks [0, kpre) of a block's range issued before pdl_wait().
+template <int WARPS, int U, int S> constexpr int skinny_prologue_chunks() { return (S - 1) * U * WARPS; }
 
 // Split-K scratch (CudaBackend::splitk_scratch_): one counter per row tile, zero between launches,
 // and one partial tile of 16 rows x 8 NT tokens per (tile, split), [tile][split][token][row].
@@ -129,9 +222,12 @@ struct SplitKScratch {
   float* partials = nullptr;
 };
 
-// Requirements (checked by the caller): K % 8 == 0, ldx % 8 == 0, ldw % 8 == 0, x and w 16-byte
-// aligned, 1 <= M <= 8 * NT; pf_bytes a multiple of 16 with kpre + pf_bytes / 2 no larger than a
-// block's K range (or 0). Dynamic shared memory: skinny_smem_bytes<WARPS, NT, U, S, CS, RT>().
+// Requirements (checked by the caller): K a multiple of the piece (PK = 8, 16, 32 K for BF16, FP8,
+// NVFP4; NVFP4 also K % 64 == 0 so that a scale word never passes a row's end), ldx % 8 == 0, ldw
+// (bytes) % 16 == 0, x and w 16-byte aligned, NVFP4's block_scale 4-byte aligned with ldbs % 4 == 0,
+// input_scale (if any) 16-byte aligned, 1 <= M <= 8 * NT; pf_bytes a multiple of 16 with the
+// prologue's bytes + pf_bytes no larger than a block's bytes of a row (or 0). Dynamic shared memory:
+// skinny_smem_bytes<WARPS, NT, U, S, CS, RT, F>(). F: the weight format (the notes above).
 // GLU: W is in the GLU layout (ops.h, kGluGroup = 8: rows 0-7 of each 16-row tile are gate rows,
 // rows 8-15 the matching up rows) and out [M, N / 2] receives silu(gate) * up, with gate and up
 // rounded to BF16 first as the separate silu_mul kernel would read them; N % 16 == 0.
@@ -149,22 +245,27 @@ struct SplitKScratch {
 // Each thread then loads W rows g + 8 r, r < 4, and a stage holds U = 1 chunk of them (the same ring
 // bytes); the sums are those of two 16-row launches, in the same order, so the bits are the same.
 template <int WARPS, int NT, int U, int S, bool GLU, bool ADD, bool NORM, bool SPLIT, int CS, bool PERSIST, int RT,
-          class OutT>
+          WFmt F, class OutT>
 __global__ void __launch_bounds__(WARPS * 32)
-    skinny_gemm_kernel(const bf16* __restrict__ x, int64_t ldx, int M, const bf16* __restrict__ w,
+    skinny_gemm_kernel(const bf16* __restrict__ x, int64_t ldx, int M, const uint8_t* __restrict__ w,
                        int64_t ldw, int N, int K, uint32_t pf_bytes, ParamView bias, bool has_bias,
-                       OutT* __restrict__ out, int64_t ldo, SplitKScratch scratch, float norm_eps) {
+                       OutT* __restrict__ out, int64_t ldo, SplitKScratch scratch, float norm_eps, QuantView qv) {
   static_assert(!(SPLIT && CS > 1), "split-K over the grid or over a cluster, not both");
   static_assert(!(PERSIST && (SPLIT || CS > 1)), "persistent blocks take whole tiles");
   static_assert(!(GLU && ADD), "the activation or the residual add, not both");
   static_assert(!(NORM && (SPLIT || CS > 1)), "the norm's sum of squares needs all of K in every block");
   static_assert(RT == 1 || (RT == 2 && !SPLIT && CS == 1), "two row tiles per block only without split-K");
+  static_assert(F == WFmt::kBf16 || !SPLIT, "quantized weights without split-K over the grid");
+  constexpr bool QUANT = F != WFmt::kBf16;
+  constexpr int KC = wfmt_k_per_chunk<F>(), PK = KC / 4, XW = PK / 8;  // K per chunk, per piece; x loads per piece
   pdl_launch_dependents();
   if constexpr (CS > 1) cluster_arrive_relaxed();  // "this block runs"; waited on before the remote stores
   constexpr int NTH = WARPS * 32;
   // The ring follows the static `red` (a multiple of 128 bytes) and must stay 128-byte aligned:
   // add no other static shared variable here.
   extern __shared__ __align__(128) uint4 wring[];  // [S][U][2 RT rows][NTH]: a thread's slots are column tid
+  // NVFP4: the block-scale words, [S][U][2 RT rows][NTH] after the ring.
+  uint32_t* const sring = reinterpret_cast<uint32_t*>(wring + S * U * 2 * RT * WARPS * 32);
   __shared__ float red[WARPS][NORM ? 17 : 16][16];  // [warp][W row | NORM: 16 = sum of squares][token]
   static_assert(sizeof(red) % 128 == 0, "the dynamic ring after `red` must stay 128-byte aligned");
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -173,21 +274,30 @@ __global__ void __launch_bounds__(WARPS * 32)
   const int tiles = (N + BR - 1) / BR;
   const int n0 = int(blockIdx.x) / CS * BR;  // the (first) block tile (CS = 1: one block per tile)
   bool row_ok[R];
-  const bf16* wrow[R];
+  const uint8_t* wrow[R];  // this thread's 16 bytes of chunk 0 of its rows
 #pragma unroll
   for (int r = 0; r < R; ++r) row_ok[r] = n0 + g + 8 * r < N;
 #pragma unroll
-  for (int r = 0; r < R; ++r) wrow[r] = w + int64_t(row_ok[r] ? n0 + g + 8 * r : 0) * ldw + 8 * t;
+  for (int r = 0; r < R; ++r) wrow[r] = w + int64_t(row_ok[r] ? n0 + g + 8 * r : 0) * ldw + 16 * t;
+  // NVFP4: the 4-byte word of chunk 0's scales holding blocks 2t, 2t + 1 (8 blocks a chunk), and the
+  // prmt selector of those two bytes in it (e4m3x2_raw's [b0, sign, b1, sign]).
+  const int64_t sword = 4 * (t >> 1);
+  const uint32_t ssel = (t & 1) ? 0xB3A2u : 0x9180u;
+  const uint8_t* srow[R] = {};
+  if constexpr (F == WFmt::kNvfp4) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) srow[r] = qv.block_scale + int64_t(row_ok[r] ? n0 + g + 8 * r : 0) * qv.ldbs + sword;
+  }
   bool tok_ok[NT];
   const bf16* xr[NT];
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
     tok_ok[j] = g + 8 * j < M;
-    xr[j] = x + int64_t(tok_ok[j] ? g + 8 * j : 0) * ldx + 8 * t;
+    xr[j] = x + int64_t(tok_ok[j] ? g + 8 * j : 0) * ldx + PK * t;
   }
 
-  // 32-wide K chunks [c_lo, c_hi) of this block; warp w takes c_lo + w, c_lo + w + WARPS, ...
-  const int nchunks = (K + 31) >> 5;
+  // KC-wide K chunks [c_lo, c_hi) of this block; warp w takes c_lo + w, c_lo + w + WARPS, ...
+  const int nchunks = (K + KC - 1) / KC;
   int c_lo = 0, c_hi = nchunks;
   if constexpr (SPLIT) {
     c_lo = int(int64_t(nchunks) * blockIdx.y / gridDim.y);
@@ -205,16 +315,18 @@ __global__ void __launch_bounds__(WARPS * 32)
   const int iters = (my_chunks + U - 1) / U;
   const int my_tiles = PERSIST ? (tiles - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x) : 1;
   const int stages = my_tiles * iters;
-  // K % 8 == 0: a thread's 16-byte piece of a chunk is all in range or all out.
-  auto piece_in = [&](int c) { return c < c_hi && c * 32 + 8 * t < K; };
+  // K a multiple of PK: a thread's 16-byte piece of a chunk is all in range or all out.
+  auto piece_in = [&](int c) { return c < c_hi && c * KC + PK * t < K; };
   auto issue = [&](int st) {  // stage `st` of this thread into ring slot st % S
     uint4* slot = wring + (st % S) * U * R * NTH + tid;
     int it = st;
-    const bf16* rp[R];
+    const uint8_t* rp[R];
+    const uint8_t* sp[R];  // NVFP4: the rows' scale words
     bool ok[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       rp[r] = wrow[r];
+      sp[r] = srow[r];
       ok[r] = row_ok[r];
     }
     if constexpr (PERSIST) {  // step it of tile ti
@@ -224,15 +336,25 @@ __global__ void __launch_bounds__(WARPS * 32)
 #pragma unroll
       for (int r = 0; r < R; ++r) ok[r] = st < stages && m0 + g + 8 * r < N;
 #pragma unroll
-      for (int r = 0; r < R; ++r) rp[r] = w + int64_t(ok[r] ? m0 + g + 8 * r : 0) * ldw + 8 * t;
+      for (int r = 0; r < R; ++r) rp[r] = w + int64_t(ok[r] ? m0 + g + 8 * r : 0) * ldw + 16 * t;
+      if constexpr (F == WFmt::kNvfp4) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) sp[r] = qv.block_scale + int64_t(ok[r] ? m0 + g + 8 * r : 0) * qv.ldbs + sword;
+      }
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = c_lo + warp + WARPS * (it * U + u);
       const bool in = st < stages && piece_in(c);
-      const int k = in ? c * 32 : 0;
+      const int64_t k = in ? int64_t(c) * 64 : 0;  // the chunk's byte offset in a row
 #pragma unroll
       for (int r = 0; r < R; ++r) cp_async16(slot + (R * u + r) * NTH, rp[r] + k, in && ok[r] ? 16 : 0);
+      if constexpr (F == WFmt::kNvfp4) {
+        uint32_t* sslot = sring + (st % S) * U * R * NTH + tid;
+        const int64_t sk = in ? int64_t(c) * 8 : 0;  // 8 scale bytes a chunk
+#pragma unroll
+        for (int r = 0; r < R; ++r) cp_async4(sslot + (R * u + r) * NTH, sp[r] + sk, in && ok[r] ? 4 : 0);
+      }
     }
     cp_async_commit();  // always commit (possibly empty) so that group counting stays uniform
   };
@@ -293,6 +415,9 @@ __global__ void __launch_bounds__(WARPS * 32)
   // row r + 8 meeting in `red` (every thread of the block calls it then).
   auto finish = [&](auto rt_c, int tile_n0, bool owner, float sum) {
     [[maybe_unused]] constexpr int rt = decltype(rt_c)::value;
+    if constexpr (QUANT) {
+      if (owner) sum *= qv.row_scale[tile_n0 + row] * (F == WFmt::kNvfp4 ? kNvfp4SumScale : 1.0f);
+    }
     if (owner && has_bias) sum += bias[tile_n0 + row];
     if constexpr (GLU) {
       __syncthreads();  // block_sum's reads of `red` are done
@@ -323,14 +448,14 @@ __global__ void __launch_bounds__(WARPS * 32)
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) issue(s);
   if (tid < BR && pf_bytes > 0 && n0 + tid < N)
-    prefetch_l2(w + int64_t(n0 + tid) * ldw + c_lo * 32 + skinny_prologue_k<WARPS, U, S>(), pf_bytes);
+    prefetch_l2(w + int64_t(n0 + tid) * ldw + int64_t(c_lo + skinny_prologue_chunks<WARPS, U, S>()) * 64, pf_bytes);
   // x XD stages ahead (see the top of the file): stage st + XD's loads go out before stage st's
   // products, into the register set stage st frees (set st % XD; the loop below is unrolled by XD so
   // that the set is a compile-time index).
   const uint4 zero = make_uint4(0, 0, 0, 0);
-  constexpr int XD = skinny_x_ahead<WARPS, NT>();
-  uint4 xq[XD][U][NT];
-  auto load_x = [&](int st, uint4 (&xnext)[U][NT]) {
+  constexpr int XD = skinny_x_ahead<WARPS, NT, F>();
+  uint4 xq[XD][U][NT][XW];
+  auto load_x = [&](int st, uint4 (&xnext)[U][NT][XW]) {
     const int it = PERSIST ? st % iters : st;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -338,7 +463,9 @@ __global__ void __launch_bounds__(WARPS * 32)
       const bool in = st < stages && piece_in(c);
 #pragma unroll
       for (int j = 0; j < NT; ++j)
-        xnext[u][j] = in && tok_ok[j] ? __ldg(reinterpret_cast<const uint4*>(xr[j] + c * 32)) : zero;
+#pragma unroll
+        for (int i = 0; i < XW; ++i)
+          xnext[u][j][i] = in && tok_ok[j] ? __ldg(reinterpret_cast<const uint4*>(xr[j] + c * KC) + i) : zero;
     }
   };
   pdl_wait();  // earlier kernels have completed: x may be read, out written
@@ -352,28 +479,89 @@ __global__ void __launch_bounds__(WARPS * 32)
         residual[1] = to_float(out[int64_t(tok) * ldo + n0 + 16 + row]);
     }
   }
-  auto run_stage = [&](int st, uint4 (&xnext)[U][NT]) {
-    uint4 xv[U][NT];  // this stage's x
+  auto run_stage = [&](int st, uint4 (&xnext)[U][NT][XW]) {
+    uint4 xv[U][NT][XW];  // this stage's x
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
-      for (int j = 0; j < NT; ++j) xv[u][j] = xnext[u][j];
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int i = 0; i < XW; ++i) xv[u][j][i] = xnext[u][j][i];
     load_x(st + XD, xnext);
+    const int it = PERSIST ? st % iters : st;
+    if constexpr (QUANT) {  // x as the products read it: its squares first, then input_scale, NVFP4's order
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int c = c_lo + warp + WARPS * (it * U + u);
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          if constexpr (NORM) {
+#pragma unroll
+            for (int i = 0; i < XW; ++i) sq[j] = add_squares(xv[u][j][i], sq[j]);
+          }
+        }
+        if (qv.input_scale != nullptr && st < stages && piece_in(c)) {
+#pragma unroll
+          for (int i = 0; i < XW; ++i) {
+            const float* s_in = qv.input_scale + int64_t(c) * KC + PK * t + 8 * i;
+#pragma unroll
+            for (int j = 0; j < NT; ++j) xv[u][j][i] = scale_x(xv[u][j][i], s_in);
+          }
+        }
+        if constexpr (F == WFmt::kNvfp4) {
+#pragma unroll
+          for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int i = 0; i < XW; ++i) xv[u][j][i] = nvfp4_x_order(xv[u][j][i]);
+        }
+      }
+    }
     cp_async_wait<S - 2>();  // stage `st` has landed
     issue(st + S - 1);       // refills the slot read in the previous iteration
     const uint4* slot = wring + (st % S) * U * R * NTH + tid;
-    const int it = PERSIST ? st % iters : st;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
 #pragma unroll
       for (int rt = 0; rt < RT; ++rt) {
         const uint4 wa = slot[(R * u + 2 * rt) * NTH], wb = slot[(R * u + 2 * rt + 1) * NTH];
+        if constexpr (F == WFmt::kBf16) {
 #pragma unroll
-        for (int j = 0; j < NT; ++j) {
-          mma_16816(acc[rt][j], wa.x, wb.x, wa.y, wb.y, xv[u][j].x, xv[u][j].y);  // k = 8t + {0,1 | 2,3}
-          mma_16816(acc[rt][j], wa.z, wb.z, wa.w, wb.w, xv[u][j].z, xv[u][j].w);  // k = 8t + {4,5 | 6,7}
-          if constexpr (NORM) {
-            if (rt == RT - 1) sq[j] = add_squares(xv[u][j], sq[j]);  // once per x piece
+          for (int j = 0; j < NT; ++j) {
+            const uint4& xp = xv[u][j][0];
+            mma_16816(acc[rt][j], wa.x, wb.x, wa.y, wb.y, xp.x, xp.y);  // k = 8t + {0,1 | 2,3}
+            mma_16816(acc[rt][j], wa.z, wb.z, wa.w, wb.w, xp.z, xp.w);  // k = 8t + {4,5 | 6,7}
+            if constexpr (NORM) {
+              if (rt == RT - 1) sq[j] = add_squares(xp, sq[j]);  // once per x piece
+            }
+          }
+        } else if constexpr (F == WFmt::kFp8) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {  // word i: K 4i .. 4i+3 of the piece, x words 2i, 2i + 1
+            uint32_t a0, a2, a1, a3;
+            fp8_pairs(word(wa, i), a0, a2);
+            fp8_pairs(word(wb, i), a1, a3);
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+              const uint4& xp = xv[u][j][i / 2];
+              mma_16816(acc[rt][j], a0, a1, a2, a3, word(xp, 2 * (i % 2)), word(xp, 2 * (i % 2) + 1));
+            }
+          }
+        } else {
+          const uint32_t* sslot = sring + (st % S) * U * R * NTH + tid;
+          uint32_t sa[2], sb[2];  // block scales of rows g, g + 8: K 0..15, 16..31 of the piece
+          nvfp4_scales(sslot[(R * u + 2 * rt) * NTH], ssel, sa[0], sa[1]);
+          nvfp4_scales(sslot[(R * u + 2 * rt + 1) * NTH], ssel, sb[0], sb[1]);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {  // word i: K 8i .. 8i+7 of the piece, x piece i in pair order
+            uint32_t pa[4], pb[4];
+            nvfp4_pairs(word(wa, i), sa[i / 2], pa);
+            nvfp4_pairs(word(wb, i), sb[i / 2], pb);
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+              const uint4& xp = xv[u][j][i];
+              mma_16816(acc[rt][j], pa[0], pb[0], pa[1], pb[1], xp.x, xp.y);  // K pairs (0, 4), (1, 5)
+              mma_16816(acc[rt][j], pa[2], pb[2], pa[3], pb[3], xp.z, xp.w);  // K pairs (2, 6), (3, 7)
+            }
           }
         }
       }
@@ -408,7 +596,8 @@ __global__ void __launch_bounds__(WARPS * 32)
   bool owner;
   float sum = block_sum(Last{}, last_n0, owner);
   if constexpr (CS > 1) {
-    float* parts = reinterpret_cast<float*>(wring + S * U * R * NTH);  // block 0's: [CS - 1][kTileElems]
+    // block 0's: [CS - 1][kTileElems], after the ring(s)
+    float* parts = reinterpret_cast<float*>(sring + (F == WFmt::kNvfp4 ? S * U * R * NTH : 0));
     const int split = int(blockIdx.x) % CS;
     cluster_wait();  // every block of the cluster has started
     if (split != 0 && tid < kTileElems) store_cluster_shared(parts + (split - 1) * kTileElems + tid, 0, sum);
@@ -499,16 +688,29 @@ struct SkinnyPlan {
   int rt = 1;            // row tiles per block tile (2: see skinny_plan; never with split-K)
 };
 
+// Stages of the ring of a quantized weight (one chunk a stage: its x pieces are 2 or 4 times the
+// registers of a BF16 chunk's): about the BF16 ring's bytes, 64 KiB for 8 warps and 96 KiB for 16
+// (NVFP4 a stage fewer where its scale words would pass that by much), at least 3.
+template <int WARPS, int RT, WFmt F> constexpr int skinny_quant_stages() {
+  constexpr int per_thread = WARPS == 16 ? 192 : 256, row_bytes = 2 * RT * (F == WFmt::kNvfp4 ? 20 : 16);
+  constexpr int s = per_thread / row_bytes;
+  return s < 3 ? 3 : s;
+}
+
 // skinny_gemm_kernel's template parameters other than the epilogue (Epi) and the output type. Ring
-// sizes: 64 KiB (8 warps, 4 stages: 3 blocks per SM) and 96 KiB (16 warps, 3 stages: 2 blocks per SM);
-// 192 resp. 128 bytes in flight per thread. A stage holds two chunks of 2 rows (RT = 1) or one chunk
-// of 4 rows (RT = 2).
-template <int WARPS_, int NT_, bool SPLIT_, int CS_, bool PERSIST_, int RT_ = 1> struct SkinnyCfg {
-  static constexpr int WARPS = WARPS_, NT = NT_, RT = RT_, U = 2 / RT_, S = WARPS_ == 16 ? 3 : 4, CS = CS_;
+// sizes (BF16): 64 KiB (8 warps, 4 stages: 3 blocks per SM) and 96 KiB (16 warps, 3 stages: 2 blocks
+// per SM); 192 resp. 128 bytes in flight per thread. A stage holds two chunks of 2 rows (RT = 1) or
+// one chunk of 4 rows (RT = 2); quantized weights one chunk (skinny_quant_stages).
+template <int WARPS_, int NT_, bool SPLIT_, int CS_, bool PERSIST_, int RT_ = 1, WFmt F_ = WFmt::kBf16>
+struct SkinnyCfg {
+  static constexpr WFmt F = F_;
+  static constexpr int WARPS = WARPS_, NT = NT_, RT = RT_, CS = CS_;
+  static constexpr int U = F == WFmt::kBf16 ? 2 / RT_ : 1;
+  static constexpr int S = F == WFmt::kBf16 ? (WARPS_ == 16 ? 3 : 4) : skinny_quant_stages<WARPS_, RT_, F_>();
   static constexpr bool SPLIT = SPLIT_, PERSIST = PERSIST_;
-  static constexpr int smem = skinny_smem_bytes<WARPS, NT, U, S, CS, RT>();
+  static constexpr int smem = skinny_smem_bytes<WARPS, NT, U, S, CS, RT, F>();
   template <class Epi, class OutT> static constexpr auto kernel() {
-    return skinny_gemm_kernel<WARPS, NT, U, S, Epi::GLU, Epi::ADD, Epi::NORM, SPLIT, CS, PERSIST, RT, OutT>;
+    return skinny_gemm_kernel<WARPS, NT, U, S, Epi::GLU, Epi::ADD, Epi::NORM, SPLIT, CS, PERSIST, RT, F, OutT>;
   }
 };
 
@@ -525,16 +727,17 @@ using EpiNormGlu = SkinnyEpi<true, false, true>;
 
 // Calls f(SkinnyCfg<...>{}) with the configuration of plan p for M tokens (one or two 8-token tiles).
 // Epi::NORM: only the configurations without split-K (the plan has none, skinny_plan's whole_k).
-template <class Epi, class F> void visit_skinny(const SkinnyPlan& p, int M, F&& f) {
+// Quantized weights (Fmt): no split-K over the grid, clusters of 2 (run_skinny).
+template <class Epi, WFmt Fmt, class F> void visit_skinny(const SkinnyPlan& p, int M, F&& f) {
   auto by_m = [&](auto warps, auto split, auto cs, auto persist) {
     constexpr int W = decltype(warps)::value, C = decltype(cs)::value;
     constexpr bool SP = decltype(split)::value, PE = decltype(persist)::value;
     auto by_rt = [&](auto nt) {
       constexpr int T = decltype(nt)::value;
       if constexpr (!SP && C == 1) {
-        if (p.rt == 2) return f(SkinnyCfg<W, T, SP, C, PE, 2>{});
+        if (p.rt == 2) return f(SkinnyCfg<W, T, SP, C, PE, 2, Fmt>{});
       }
-      f(SkinnyCfg<W, T, SP, C, PE>{});
+      f(SkinnyCfg<W, T, SP, C, PE, 1, Fmt>{});
     };
     if (M <= 8)
       by_rt(std::integral_constant<int, 1>{});
@@ -549,12 +752,15 @@ template <class Epi, class F> void visit_skinny(const SkinnyPlan& p, int M, F&& 
   // whose partial tiles take the shared memory a third block would need).
   if constexpr (!Epi::NORM) {
     if (p.cs == 2) return by_m(Eight{}, false_type{}, std::integral_constant<int, 2>{}, false_type{});
-    if (p.cs == 4) return by_m(Eight{}, false_type{}, std::integral_constant<int, 4>{}, false_type{});
-    if (p.wide && p.ksplit > 1) return by_m(Sixteen{}, true_type{}, One{}, false_type{});
-    if (p.ksplit > 1) return by_m(Eight{}, true_type{}, One{}, false_type{});
+    if constexpr (Fmt == WFmt::kBf16) {
+      if (p.cs == 4) return by_m(Eight{}, false_type{}, std::integral_constant<int, 4>{}, false_type{});
+      if (p.wide && p.ksplit > 1) return by_m(Sixteen{}, true_type{}, One{}, false_type{});
+      if (p.ksplit > 1) return by_m(Eight{}, true_type{}, One{}, false_type{});
+    }
   }
   if (p.persist) return by_m(Eight{}, false_type{}, One{}, true_type{});
-  if (p.wide) return by_m(Sixteen{}, false_type{}, One{}, false_type{});
+  // Quantized weights above 8 tokens: 8 warps (16 would spill their x registers, 128 a thread).
+  if (p.wide && !(Fmt != WFmt::kBf16 && M > 8)) return by_m(Sixteen{}, false_type{}, One{}, false_type{});
   by_m(Eight{}, false_type{}, One{}, false_type{});
 }
 
@@ -582,24 +788,27 @@ dim3 skinny_grid(const SkinnyPlan& p, int N, int per_sm, int sm_count) {
 }
 
 template <class Cfg, class Epi, class OutT>
-void launch_skinny_cfg(const bf16* x, int64_t ldx, int M, const bf16* w, int64_t ldw, int N, int K,
+void launch_skinny_cfg(const bf16* x, int64_t ldx, int M, const uint8_t* w, int64_t ldw, int N, int K,
                        ParamView bias, bool has_bias, OutT* out, int64_t ldo, const SkinnyPlan& p,
-                       SplitKScratch scratch, float norm_eps, int64_t prefetch_budget, const LaunchCtx& ctx,
-                       int sm_count) {
+                       SplitKScratch scratch, float norm_eps, const QuantView& qv, int64_t prefetch_budget,
+                       const LaunchCtx& ctx, int sm_count) {
   const int per_sm = skinny_blocks_per_sm<Cfg, Epi, OutT>();
   const dim3 grid = skinny_grid(p, N, per_sm, sm_count);
-  // L2 prefetch per row: the rest of the block's K range after the prologue (the shortest range of
-  // a split, less one chunk for the last one's ragged end), within the budget (all rows together);
-  // whole 128-byte lines; none when it would be too little to matter (many rows).
-  constexpr int kpre = skinny_prologue_k<Cfg::WARPS, Cfg::U, Cfg::S>();
-  const int splits = p.ksplit * p.cs;
-  const int64_t kspan = splits > 1 ? int64_t((K + 31) / 32 / splits - 1) * 32 : K;
-  const int64_t rest = kspan > kpre ? (kspan - kpre) * int64_t(sizeof(bf16)) : 0;
-  int64_t pf = std::min(rest, prefetch_budget / (int64_t(N) * splits)) & ~int64_t(127);
-  if (pf < 1024) pf = 0;
+  // L2 prefetch per row (BF16 weights only): the rest of the block's K range after the prologue (the
+  // shortest range of a split, less one chunk for the last one's ragged end), within the budget (all
+  // rows together); whole 128-byte lines; none when it would be too little to matter (many rows).
+  int64_t pf = 0;
+  if constexpr (Cfg::F == WFmt::kBf16) {
+    constexpr int kpre = skinny_prologue_chunks<Cfg::WARPS, Cfg::U, Cfg::S>() * 32;
+    const int splits = p.ksplit * p.cs;
+    const int64_t kspan = splits > 1 ? int64_t((K + 31) / 32 / splits - 1) * 32 : K;
+    const int64_t rest = kspan > kpre ? (kspan - kpre) * int64_t(sizeof(bf16)) : 0;
+    pf = std::min(rest, prefetch_budget / (int64_t(N) * splits)) & ~int64_t(127);
+    if (pf < 1024) pf = 0;
+  }
   launch_pdl_cluster(ctx, "skinny_gemm_kernel", Cfg::CS > 1 ? unsigned(Cfg::CS) : 0u, Cfg::template kernel<Epi, OutT>(),
                      grid, Cfg::WARPS * 32, Cfg::smem, x, ldx, M, w, ldw, N, K, uint32_t(pf), bias, has_bias,
-                     out, ldo, scratch, norm_eps);
+                     out, ldo, scratch, norm_eps, qv);
 }
 
 // The carving of CudaBackend::splitk_scratch_.
@@ -651,10 +860,10 @@ bool skinny_persistent(int tiles, int sm_count, int mode) {
 // one token every shape loses (H200). rows_mode is the backend's
 // OCRIA_RT_SKINNY_ROWS (16 or 32 force it, kSkinnyAuto: this rule); the other choices count 16-row
 // tiles either way.
-SkinnyPlan skinny_plan(int N, int K, int M, bool glu, int sm_count, int ksplit_mode, int cluster_mode,
+SkinnyPlan skinny_plan(int N, int K, int kc, int M, bool glu, int sm_count, int ksplit_mode, int cluster_mode,
                        int persistent_mode, int rows_mode) {
   SkinnyPlan p;
-  const int tiles = (N + 15) / 16, nchunks = (K + 31) / 32;
+  const int tiles = (N + 15) / 16, nchunks = (K + kc - 1) / kc;  // kc: K per chunk of the weight's format
   p.ksplit = skinny_ksplit(tiles, nchunks, ksplit_mode);
   p.wide = int64_t(tiles) * p.ksplit < 4 * sm_count;
   p.cs = skinny_cluster(p.wide, p.ksplit, nchunks, M, cluster_mode);
@@ -664,61 +873,118 @@ SkinnyPlan skinny_plan(int N, int K, int M, bool glu, int sm_count, int ksplit_m
   return p;
 }
 
-// A linear op's operands, checked: x [M, K] and W [N, K] BF16 and 2-D, the weight dense, the bias (if
-// any) of N elements; `skinny`: M <= 16 and the skinny GEMM's requirements hold (K > 0, K and both row
-// strides multiples of 8, 16-byte aligned x and W).
+// A linear op's operands, checked: x [M, K] BF16 and 2-D, W [N, K] in its format (ops.h LinearWeight:
+// BF16; FP8 with row_scale; NVFP4 [N, K / 2] with block_scale [N, K / 16] and row_scale; input_scale [K]
+// only for the quantized formats), the bias (if any) of N elements; `skinny`: M <= 16 and the skinny
+// GEMM's requirements hold (K > 0 a multiple of the format's piece, NVFP4 of 64; row strides and
+// alignments as skinny_gemm_kernel needs them).
 struct LinearArgs {
   const bf16* x = nullptr;
-  const bf16* w = nullptr;
-  int64_t ldx = 0, ldw = 0;
+  const uint8_t* w = nullptr;
+  int64_t ldx = 0, ldw = 0;  // ldw in bytes
   int M = 0, N = 0, K = 0;
+  WFmt fmt = WFmt::kBf16;
+  QuantView qv{};
   ParamView bias{};
   bool has_bias = false;
   bool skinny = false;
 };
 
+// A quantized weight's F32 vector `name` of n elements, contiguous.
+const float* quant_vector(const char* op, const char* name, const Tensor& t, int64_t n) {
+  require_tensor(t, DType::F32, op, name);
+  OCRIA_RT_REQUIRE(t.contiguous() && t.numel() == n, op,
+                   std::string(name) + " must be a contiguous F32 vector of " + std::to_string(n) + " elements, got " +
+                       t.shape_str());
+  return t.ptr<const float>();
+}
+
 LinearArgs linear_args(const char* op, const Tensor& x, const LinearWeight& lw) {
-  OCRIA_RT_REQUIRE(lw.format == LinearWeight::Format::kDense, op, "only dense weights are supported");
   const Tensor& w = lw.weight;
+  using Fmt = LinearWeight::Format;
   require_tensor(x, DType::BF16, op, "x");
-  require_tensor(w, DType::BF16, op, "weight");
+  require_tensor(w, lw.format == Fmt::kDense ? DType::BF16 : lw.format == Fmt::kFp8 ? DType::F8E4M3 : DType::U8, op,
+                 "weight");
   OCRIA_RT_REQUIRE(x.ndim == 2 && w.ndim == 2, op,
                    "expected 2-D x and weight, got " + x.shape_str() + ", " + w.shape_str());
-  OCRIA_RT_REQUIRE(w.dim(1) == x.dim(1), op, "shape mismatch: x " + x.shape_str() + ", weight " + w.shape_str());
-  OCRIA_RT_REQUIRE(x.dim(0) < (int64_t(1) << 31) && w.dim(0) < (int64_t(1) << 31) && w.dim(1) < (int64_t(1) << 31), op,
-                   "dimension too large");
+  OCRIA_RT_REQUIRE(lw.in_features() == x.dim(1), op,
+                   "shape mismatch: x " + x.shape_str() + ", weight " + w.shape_str() + " (" +
+                       std::to_string(lw.in_features()) + " input features)");
+  OCRIA_RT_REQUIRE(x.dim(0) < (int64_t(1) << 31) && w.dim(0) < (int64_t(1) << 31) && lw.in_features() < (int64_t(1) << 31),
+                   op, "dimension too large");
   LinearArgs a;
   a.x = x.ptr<bf16>();
-  a.w = w.ptr<bf16>();
+  a.w = w.ptr<uint8_t>();
   a.ldx = x.row_stride;
-  a.ldw = w.row_stride;
+  a.ldw = w.row_stride * int64_t(dtype_size(w.dtype));
   a.M = int(x.dim(0));
   a.N = int(w.dim(0));
-  a.K = int(w.dim(1));
+  a.K = int(lw.in_features());
   a.has_bias = lw.bias.defined();
   if (a.has_bias) {
     a.bias = param_view(lw.bias, op, "bias");
     OCRIA_RT_REQUIRE(lw.bias.numel() == a.N, op,
                      "bias has " + std::to_string(lw.bias.numel()) + " elements, expected " + std::to_string(a.N));
   }
-  a.skinny = a.M >= 1 && a.M <= 16 && a.K > 0 && a.K % 8 == 0 && a.ldw % 8 == 0 && a.ldx % 8 == 0 &&
-             aligned16(a.x) && aligned16(a.w);
+  // piece: the K of a thread's 16-byte load (skinny_gemm_kernel)
+  int piece = 8;
+  bool layout_ok = aligned16(a.w) && a.ldw % 16 == 0;
+  if (lw.format == Fmt::kDense) {
+    OCRIA_RT_REQUIRE(!lw.input_scale.defined() && !lw.row_scale.defined() && !lw.block_scale.defined(), op,
+                     "a dense weight has no row, block or input scale");
+  } else {
+    a.fmt = lw.format == Fmt::kFp8 ? WFmt::kFp8 : WFmt::kNvfp4;
+    a.qv.row_scale = quant_vector(op, "row_scale", lw.row_scale, a.N);
+    if (lw.input_scale.defined()) {
+      a.qv.input_scale = quant_vector(op, "input_scale", lw.input_scale, a.K);
+      layout_ok = layout_ok && aligned16(a.qv.input_scale);
+    }
+    if (lw.format == Fmt::kFp8) {
+      OCRIA_RT_REQUIRE(!lw.block_scale.defined(), op, "an FP8 weight has no block scale");
+      piece = 16;
+    } else {
+      const Tensor& bs = lw.block_scale;
+      require_tensor(bs, DType::F8E4M3, op, "block_scale");
+      OCRIA_RT_REQUIRE(a.K % LinearWeight::kNvfp4Block == 0 && bs.ndim == 2 && bs.dim(0) == a.N &&
+                           bs.dim(1) == a.K / LinearWeight::kNvfp4Block,
+                       op, "NVFP4 weight " + w.shape_str() + " needs K a multiple of 16 and block_scale [" +
+                               std::to_string(a.N) + ", " + std::to_string(a.K / 16) + "], got " + bs.shape_str());
+      a.qv.block_scale = bs.ptr<uint8_t>();
+      a.qv.ldbs = bs.row_stride;
+      piece = 64;  // 32 K a piece, and a scale word (4 blocks) never past a row's end
+      layout_ok = layout_ok && reinterpret_cast<uintptr_t>(a.qv.block_scale) % 4 == 0 && a.qv.ldbs % 4 == 0;
+    }
+  }
+  a.skinny = a.M >= 1 && a.M <= 16 && a.K > 0 && a.K % piece == 0 && a.ldx % 8 == 0 && aligned16(a.x) && layout_ok;
   return a;
 }
 
 // The decode GEMM of epilogue Epi on x and W (linear_args' skinny), the launch shape chosen from the
 // backend's switches; with Epi::NORM without split-K (every block needs the whole row for its sum of
-// squares) and with persistent blocks as linear's.
+// squares) and with persistent blocks as linear's. Quantized weights: no split-K over the grid, and
+// clusters of 2 where 4 are asked for.
 template <class Epi, class OutT>
 void run_skinny(const LinearArgs& a, OutT* out, int64_t ldo, float norm_eps, const SkinnySettings& st) {
-  const SkinnyPlan p =
-      Epi::NORM ? skinny_plan(a.N, a.K, a.M, Epi::GLU, st.sm_count, 1, 0, st.persistent, st.rows)
-                : skinny_plan(a.N, a.K, a.M, Epi::GLU, st.sm_count, st.ksplit, st.cluster, st.persistent, st.rows);
-  visit_skinny<Epi>(p, a.M, [&](auto cfg) {
-    launch_skinny_cfg<decltype(cfg), Epi>(a.x, a.ldx, a.M, a.w, a.ldw, a.N, a.K, a.bias, a.has_bias, out, ldo, p,
-                                          splitk_scratch(st.splitk_scratch), norm_eps, st.prefetch_bytes, st.ctx,
-                                          st.sm_count);
-  });
+  auto run = [&](auto fmt) {
+    constexpr WFmt Fmt = decltype(fmt)::value;
+    constexpr bool quant = Fmt != WFmt::kBf16;
+    const int kc = wfmt_k_per_chunk<Fmt>(), cluster = quant && st.cluster == 4 ? 2 : st.cluster;
+    const SkinnyPlan p = Epi::NORM || quant
+                             ? skinny_plan(a.N, a.K, kc, a.M, Epi::GLU, st.sm_count, 1, Epi::NORM ? 0 : cluster,
+                                           st.persistent, st.rows)
+                             : skinny_plan(a.N, a.K, kc, a.M, Epi::GLU, st.sm_count, st.ksplit, st.cluster,
+                                           st.persistent, st.rows);
+    visit_skinny<Epi, Fmt>(p, a.M, [&](auto cfg) {
+      launch_skinny_cfg<decltype(cfg), Epi>(a.x, a.ldx, a.M, a.w, a.ldw, a.N, a.K, a.bias, a.has_bias, out, ldo, p,
+                                            splitk_scratch(st.splitk_scratch), norm_eps, a.qv, st.prefetch_bytes,
+                                            st.ctx, st.sm_count);
+    });
+  };
+  switch (a.fmt) {
+    case WFmt::kBf16: return run(std::integral_constant<WFmt, WFmt::kBf16>{});
+    case WFmt::kFp8: return run(std::integral_constant<WFmt, WFmt::kFp8>{});
+    case WFmt::kNvfp4: return run(std::integral_constant<WFmt, WFmt::kNvfp4>{});
+  }
 }
 
 template <class OutT>
@@ -728,6 +994,89 @@ void launch_fallback(const bf16* x, int64_t ldx, int M, const bf16* w, int64_t l
   OCRIA_RT_REQUIRE(grid.y <= 65535, "linear", "too many rows for the fallback kernel");
   linear_fallback_kernel<OutT><<<grid, 256, 0, stream>>>(x, ldx, M, w, ldw, N, K, bias, has_bias, out, ldo);
   check_launch("linear_fallback_kernel");
+}
+
+// e4m3fn bits -> float (bias 7, subnormals; the NaN code is not expected in weights).
+__device__ __forceinline__ float e4m3_to_float(uint32_t b) {
+  const uint32_t e = (b >> 3) & 15u, m = b & 7u;
+  const float v = e == 0 ? float(m) * 0.001953125f : __uint_as_float(((e + 120u) << 23) | (m << 20));  // m 2^-9
+  return (b & 0x80u) ? -v : v;
+}
+__device__ __forceinline__ float e2m1_to_float(uint32_t code) {
+  const uint32_t e = (code >> 1) & 3u, m = code & 1u;
+  const float v = e == 0 ? 0.5f * float(m) : float(1u << (e - 1)) * (1.0f + 0.5f * float(m));
+  return (code & 8u) ? -v : v;
+}
+
+// dst [rows, K] (BF16, contiguous) = rows n0 .. n0 + rows - 1 of the quantized W (fmt, qv) times
+// input_scale per column where there is one, each element rounded once. Block (., r) takes row n0 + r.
+__global__ void dequantize_kernel(const uint8_t* __restrict__ w, int64_t ldw, WFmt fmt, QuantView qv, int K, int n0,
+                                  bf16* __restrict__ dst) {
+  const int64_t n = n0 + int64_t(blockIdx.y);
+  const uint8_t* wr = w + n * ldw;
+  const float rs = qv.row_scale[n];
+  for (int k = blockIdx.x * blockDim.x + threadIdx.x; k < K; k += gridDim.x * blockDim.x) {
+    float v;
+    if (fmt == WFmt::kFp8) {
+      v = e4m3_to_float(wr[k]);
+    } else {
+      const uint32_t byte = wr[k >> 1];
+      v = e2m1_to_float((k & 1) ? byte >> 4 : byte & 15u) * e4m3_to_float(qv.block_scale[n * qv.ldbs + k / 16]);
+    }
+    v *= rs;
+    if (qv.input_scale) v *= qv.input_scale[k];
+    dst[int64_t(blockIdx.y) * K + k] = __float2bfloat16_rn(v);
+  }
+}
+
+// out[M, N] (+)= x · W^T (+ bias) for a BF16 W (a.w, a.ldw bytes): CUTLASS above 16 tokens, else (or
+// where CUTLASS cannot take the problem) the tiled fallback. Both launch the ordinary way, so W may
+// have been written by the kernel just before.
+template <class OutT>
+void dense_gemm(const LinearArgs& a, OutT* out, int64_t ldo, void* workspace, size_t workspace_bytes, int sm_count,
+                cudaStream_t stream) {
+  const bf16* w = reinterpret_cast<const bf16*>(a.w);
+  const int64_t ldw = a.ldw / int64_t(sizeof(bf16));
+  if constexpr (std::is_same_v<OutT, bf16>) {
+    if (a.M > 16 && a.K > 0 &&
+        gemm_bf16_sm90(a.x, a.ldx, w, ldw, out, ldo, a.M, a.N, a.K, workspace, workspace_bytes, sm_count, stream)) {
+      if (a.has_bias) {
+        OCRIA_RT_REQUIRE(a.M <= 65535, "linear", "too many rows for the bias kernel");
+        add_bias_kernel<<<dim3(unsigned((a.N + 255) / 256), unsigned(a.M)), 256, 0, stream>>>(out, ldo, a.M, a.N,
+                                                                                             a.bias);
+        check_launch("add_bias_kernel");
+      }
+      return;
+    }
+  }
+  launch_fallback(a.x, a.ldx, a.M, w, ldw, a.N, a.K, a.bias, a.has_bias, out, ldo, stream);
+}
+
+// The quantized weight a.w dequantized into `scratch` (CudaBackend::kDequantScratchBytes) a slab of
+// rows at a time (a multiple of 128 rows where there are several, so that every slab's output columns
+// stay 16-byte aligned for CUTLASS), each slab's product formed by dense_gemm into its columns of out.
+// input_scale is folded into the slab's columns.
+template <class OutT>
+void linear_dequantized(const LinearArgs& a, OutT* out, int64_t ldo, bf16* scratch, void* workspace,
+                        size_t workspace_bytes, int sm_count, cudaStream_t stream) {
+  const int64_t row_bytes = int64_t(a.K) * int64_t(sizeof(bf16));
+  int64_t slab = std::min<int64_t>(int64_t(CudaBackend::kDequantScratchBytes) / row_bytes, 32768);
+  OCRIA_RT_REQUIRE(slab >= 1, "linear", "K = " + std::to_string(a.K) + " too large for the dequantization scratch");
+  if (slab < a.N) slab = std::max<int64_t>(slab / 128 * 128, 1);
+  const size_t bias_esz = a.bias.is_bf16 ? sizeof(bf16) : sizeof(float);
+  for (int64_t n0 = 0; n0 < a.N; n0 += slab) {
+    const int nc = int(std::min<int64_t>(slab, a.N - n0));
+    const unsigned kblocks = unsigned(std::min<int64_t>((a.K + 255) / 256, 64));
+    dequantize_kernel<<<dim3(kblocks, unsigned(nc)), 256, 0, stream>>>(a.w, a.ldw, a.fmt, a.qv, a.K, int(n0), scratch);
+    check_launch("dequantize_kernel");
+    LinearArgs d = a;
+    d.fmt = WFmt::kBf16;
+    d.w = reinterpret_cast<const uint8_t*>(scratch);
+    d.ldw = row_bytes;
+    d.N = nc;
+    if (a.has_bias) d.bias.ptr = static_cast<const char*>(a.bias.ptr) + size_t(n0) * bias_esz;
+    dense_gemm(d, out + n0, ldo, workspace, workspace_bytes, sm_count, stream);
+  }
 }
 
 // W[n, k] = round(W[n, k] * (1 + nw[k])), one thread per element.
@@ -761,22 +1110,28 @@ void CudaBackend::linear(const Tensor& x, const LinearWeight& lw, const Tensor& 
       run_skinny<EpiStore>(a, out.ptr<float>(), ldo, 0.0f, skinny_settings());
     return;
   }
-  if (a.M > 16 && out_bf16 && a.K > 0 &&
-      gemm_bf16_sm90(a.x, a.ldx, a.w, a.ldw, out.data, ldo, a.M, a.N, a.K, workspace_, workspace_bytes_, sm_count_,
-                     stream_)) {
-    if (a.has_bias) {
-      OCRIA_RT_REQUIRE(a.M <= 65535, op, "too many rows for the bias kernel");
-      add_bias_kernel<<<dim3(unsigned((a.N + 255) / 256), unsigned(a.M)), 256, 0, stream_>>>(out.ptr<bf16>(), ldo, a.M,
-                                                                                           a.N, a.bias);
-      check_launch("add_bias_kernel");
+  if (a.fmt != WFmt::kBf16) {  // prefill, or a shape the skinny GEMM cannot take: through BF16 rows
+    if (!dequant_scratch_) {
+      OCRIA_RT_REQUIRE(!capturing_, op,
+                       "a quantized weight of this shape needs the dequantization scratch, which cannot be "
+                       "allocated during graph capture (run the op once before capturing)");
+      check_cuda(cudaMalloc(&dequant_scratch_, kDequantScratchBytes), "cudaMalloc (dequantization scratch)");
     }
+    if (out_bf16)
+      linear_dequantized(a, out.ptr<bf16>(), ldo, static_cast<bf16*>(dequant_scratch_), workspace_, workspace_bytes_,
+                         sm_count_, stream_);
+    else
+      linear_dequantized(a, out.ptr<float>(), ldo, static_cast<bf16*>(dequant_scratch_), workspace_,
+                         workspace_bytes_, sm_count_, stream_);
     return;
   }
   if (out_bf16)
-    launch_fallback(a.x, a.ldx, a.M, a.w, a.ldw, a.N, a.K, a.bias, a.has_bias, out.ptr<bf16>(), ldo, stream_);
+    dense_gemm(a, out.ptr<bf16>(), ldo, workspace_, workspace_bytes_, sm_count_, stream_);
   else
-    launch_fallback(a.x, a.ldx, a.M, a.w, a.ldw, a.N, a.K, a.bias, a.has_bias, out.ptr<float>(), ldo, stream_);
+    dense_gemm(a, out.ptr<float>(), ldo, workspace_, workspace_bytes_, sm_count_, stream_);
 }
+
+
 
 namespace cuda {
 namespace {
