@@ -22,7 +22,7 @@ from support import FIXTURES, PACKAGE_MODELS
 
 DRAFTERS = FIXTURES / "drafters"
 REF = dict(np.load(DRAFTERS / "reference.npz"))
-NAMES = ["dflash_tied", "dflash_sliding", "dflash2_tied", "dflash2_tiny"]
+NAMES = ["dflash_tied", "dflash_sliding", "dflash2_tied", "dflash2_tiny", "dflash_vlm"]
 
 
 def target_dir(name: str):
@@ -34,6 +34,13 @@ def target_dir(name: str):
 @lru_cache(maxsize=None)
 def engine(name: str) -> ocria_rt.Engine:
     return ocria_rt.Engine(target_dir(name), drafter=DRAFTERS / name, num_threads=1)
+
+
+def text_vocab(name: str) -> int:
+    """Token ids below this are text (a VLM's vision tokens come last)."""
+    cfg = json.loads((target_dir(name) / "config.json").read_text())
+    vision = [cfg[k] for k in ("image_token_id", "vision_start_token_id", "vision_end_token_id") if k in cfg]
+    return min([engine(name).vocab_size] + vision)
 
 
 def block_size(name: str) -> int:
@@ -60,13 +67,13 @@ def test_proposals_match_zlab(name):
 
 
 def test_greedy_equals_plain_decoding():
-    """100 random prompts over the four drafters: speculative greedy emits exactly the tokens of plain
+    """100 random prompts over the five drafters: speculative greedy emits exactly the tokens of plain
     greedy decoding, and the acceptance lengths account for every token after the first."""
     rng = np.random.default_rng(0)
     for name in NAMES:
         eng, B = engine(name), block_size(name)
-        for _ in range(25):
-            prompt = rng.integers(0, eng.vocab_size, int(rng.integers(1, 30))).tolist()
+        for _ in range(20):
+            prompt = rng.integers(0, text_vocab(name), int(rng.integers(1, 30))).tolist()
             n = int(rng.integers(2, 9))
             plain = eng.generate(prompt, n, stop_token_ids=[], speculative=False)
             spec = eng.generate(prompt, n, stop_token_ids=[])
@@ -103,11 +110,11 @@ class ForcedHook:
         return out
 
 
-def forced_run(eng, prompt, greedy, schedule, max_new, stops):
+def forced_run(eng, prompt, greedy, schedule, max_new, stops, **images):
     hook = ForcedHook(greedy, len(prompt), schedule, eng.vocab_size)
     eng._core.set_proposal_hook(hook)
     try:
-        res = eng.generate(prompt, max_new, stop_token_ids=stops)
+        res = eng.generate(prompt, max_new, stop_token_ids=stops, **images)
     finally:
         eng._core.set_proposal_hook(None)
     return res, hook
@@ -119,7 +126,7 @@ def test_every_rollback_length(name):
     states and the K/V rows runs), in two orders: the output is plain greedy's, the acceptance lengths
     the forced ones. Then with a stop token inside an accepted block: the generation stops right there."""
     eng, B = engine(name), block_size(name)
-    prompt = np.random.default_rng(1).integers(0, eng.vocab_size, 9).tolist()
+    prompt = np.random.default_rng(1).integers(0, text_vocab(name), 9).tolist()
     n = B * (B + 1) // 2 + 2  # each schedule runs every acceptance length once
     greedy = eng.generate(prompt, n, stop_token_ids=[], speculative=False).token_ids
     for schedule in (list(range(B)), list(range(B - 1, -1, -1))):
@@ -145,6 +152,26 @@ def test_every_rollback_length(name):
     assert eng.acceptance_lengths == hook.expected_lengths(n)
 
 
+def test_image_prompt():
+    """A chat with an image, whose tokens' rotary positions (M-RoPE) run behind their sequence indices:
+    the verified blocks take the target's rotary positions and the drafter the sequence indices; the
+    output equals plain greedy decoding with the drafter's own proposals and with forced rollbacks of
+    every length."""
+    from ocria_rt.chat import build_multimodal_prompt
+
+    eng, B = engine("dflash_vlm"), block_size("dflash_vlm")
+    msgs = [{"role": "user", "content": [{"type": "image", "image": str(FIXTURES / "images" / "vis_a.png")},
+                                         {"type": "text", "text": "Read the page."}]}]
+    ids, pv, grid = build_multimodal_prompt(eng, msgs)
+    images = dict(pixel_values=pv, image_grid_thw=grid)
+    n = B * (B + 1) // 2 + 2
+    greedy = eng.generate(ids, n, stop_token_ids=[], speculative=False, **images).token_ids
+    assert eng.generate(ids, n, stop_token_ids=[], **images).token_ids == greedy
+    res, hook = forced_run(eng, ids, greedy, list(range(B)), n, [], **images)
+    assert res.token_ids == greedy and res.acceptance_lengths == hook.expected_lengths(n)
+    assert len(eng.draft(ids, **images)) == B - 1
+
+
 @pytest.mark.parametrize("name", ["dflash_sliding", "dflash2_tied"])
 def test_cache_free_oracle(name):
     """The loop against an oracle that reruns everything from scratch at each step: the drafter's
@@ -152,7 +179,7 @@ def test_cache_free_oracle(name):
     Engine.draft over the whole sequence so far, and the number of forced drafts the target accepts
     equals what a full forward of the sequence plus the block says."""
     eng, B = engine(name), block_size(name)
-    prompt = np.random.default_rng(2).integers(0, eng.vocab_size, 7).tolist()
+    prompt = np.random.default_rng(2).integers(0, text_vocab(name), 7).tolist()
     n = 3 * B
     greedy = eng.generate(prompt, n, stop_token_ids=[], speculative=False).token_ids
     res, hook = forced_run(eng, prompt, greedy, [3, 0, B - 1, 1, B - 2, 2], n, [])
@@ -192,7 +219,7 @@ def test_sampling_is_lossless(name, forced):
     own sampled walk, whose q is a softmax over its candidates."""
     eng = engine(name)
     V, T, K, N = eng.vocab_size, 1.0, 3, 600
-    prompt = np.random.default_rng(3).integers(0, V, 6).tolist()
+    prompt = np.random.default_rng(3).integers(0, text_vocab(name), 6).tolist()
     probs = {(): ref.sampler_probs(eng.score(prompt)[-1], T, K)}
     for x1 in np.flatnonzero(probs[()]):
         logits = eng.score(prompt + [int(x1)])
