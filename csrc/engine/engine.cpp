@@ -298,6 +298,7 @@ class EngineImpl final : public Engine {
     speculative_ = speculative;
     const int32_t zero = 0, n = int32_t(prompt.size());
     backend_->copy_from_host(step_, &zero, DType::I32);
+    if (drafter_) backend_->copy_from_host(draft_step_, &zero, DType::I32);
     auto push_context = [&](int64_t, int64_t T) {
       drafter_->push_context(taps_.out.rows(0, T), positions_.rows(0, T), draft_state_, draft_ws_);
     };
