@@ -134,7 +134,7 @@ DraftConfig load_draft_config(const std::string& dir, const ModelConfig& target)
   if (c.hidden_size != target.hidden_size)
     r.fail("hidden_size", "is " + std::to_string(c.hidden_size) + " but the target's is " +
                               std::to_string(target.hidden_size) + " (the drafter reads the target's embeddings)");
-  if (const json::Value* v = r.top("vocab_size"); v && r.top_int("vocab_size") != target.vocab_size)
+  if (r.top("vocab_size") && r.top_int("vocab_size") != target.vocab_size)
     r.fail("vocab_size", "is " + std::to_string(r.top_int("vocab_size")) + " but the target's is " +
                              std::to_string(target.vocab_size));
   c.vocab_size = target.vocab_size;
@@ -165,7 +165,7 @@ DraftConfig load_draft_config(const std::string& dir, const ModelConfig& target)
   // The tapped target layers; without the key, z-lab's default spread over the target's layers.
   std::string ids_key;
   const json::Value* ids = r.draft("target_layer_ids", &ids_key);
-  if (const json::Value* n = r.top("num_target_layers"); n && r.top_int("num_target_layers") != target.num_layers)
+  if (r.top("num_target_layers") && r.top_int("num_target_layers") != target.num_layers)
     r.fail("num_target_layers", "is " + std::to_string(r.top_int("num_target_layers")) + " but the target has " +
                                     std::to_string(target.num_layers) + " layers");
   if (ids) {
@@ -266,17 +266,17 @@ DFlashDrafter::DFlashDrafter(const DraftConfig& config, const Checkpoint& ck, Ba
     L.o = w.linear({{p + "self_attn.o_proj.weight", {H, Hq * hd}}});
     L.gate_up = w.glu_linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", I, H);
     L.down = w.linear({{p + "mlp.down_proj.weight", {H, I}}});
-    if (c.dflash2) {
-      for (const char* conv : {"attention_conv", "mlp_conv"}) {
-        const std::string n = p + conv + ".";
-        LinearWeight proj = w.linear({{n + "kernel_projection.weight", {2 * K * G, H}}});
-        const TensorRecord& base = ck.require(n + "base_kernel", {2, K, H});
-        Tensor b = arena.alloc(DType::F32, {2 * K, H});
-        be_.copy_from_host(b, base.data, base.dtype);
-        const bool attention = conv[0] == 'a';
-        (attention ? L.attn_kernel : L.mlp_kernel) = proj;
-        for (int side = 0; side < 2; ++side) (attention ? L.attn_base : L.mlp_base)[side] = b.rows(side * K, K);
-      }
+    if (c.dflash2) {  // base_kernel [2, K, H]: side 0 (the sublayer's input), side 1 (its output)
+      auto conv = [&](const std::string& n, LinearWeight& kernel, Tensor* base) {
+        kernel = w.linear({{n + "kernel_projection.weight", {2 * K * G, H}}});
+        const TensorRecord& rec = ck.require(n + "base_kernel", {2, K, H});
+        const Tensor b = arena.alloc(DType::F32, {2 * K, H});
+        be_.copy_from_host(b, rec.data, rec.dtype);
+        base[0] = b.rows(0, K);
+        base[1] = b.rows(K, K);
+      };
+      conv(p + "attention_conv.", L.attn_kernel, L.attn_base);
+      conv(p + "mlp_conv.", L.mlp_kernel, L.mlp_base);
     }
     layers_.push_back(std::move(L));
   }
