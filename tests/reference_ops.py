@@ -241,3 +241,82 @@ def quantize_nvfp4(w):
     scaled = blocks / (e4m3_to_float(bs)[..., None] * float(global_scale))
     codes = (_round_to_grid(scaled, E2M1_GRID) | np.where(scaled < 0, 0x8, 0)).reshape(N, K)
     return pack_e2m1(codes), bs, global_scale
+
+
+# ---- speculative decoding: the DFlash drafter's ops and the acceptance rule ----
+
+
+def draft_store_kv(kv, k_norm, positions, k_cache, v_cache, hkv, hd, theta, eps):
+    k_cache, v_cache = k_cache.astype(np.float64).copy(), v_cache.astype(np.float64).copy()
+    for t, pos in enumerate(positions):
+        k = kv[t, : hkv * hd].reshape(hkv, hd)
+        k_cache[pos] = rope(rms_norm(k, k_norm, eps), pos, hd, theta)
+        v_cache[pos] = kv[t, hkv * hd :].reshape(hkv, hd)
+    return k_cache, v_cache
+
+
+def draft_attention(q, q_norm, positions, k_cache, v_cache, hq, hkv, hd, theta, eps, causal, window):
+    T = q.shape[0]
+    last = positions[-1]
+    out = np.zeros((T, hq, hd))
+    for t in range(T):
+        pos = positions[t]
+        keys = np.arange(last + 1)
+        seen = np.ones(last + 1, bool)
+        if causal:
+            seen &= keys <= pos
+        if window:
+            seen &= pos - keys < window
+            if not causal:
+                seen &= keys - pos < window
+        for h in range(hq):
+            g = h // (hq // hkv)
+            qh = rope(rms_norm(q[t, h * hd : (h + 1) * hd], q_norm, eps), pos, hd, theta)
+            s = k_cache[: last + 1, g].astype(np.float64) @ qh / np.sqrt(hd)
+            s[~seen] = -np.inf
+            p = np.exp(s - s.max())
+            out[t, h] = (p / p.sum()) @ v_cache[: last + 1, g]
+    return out.reshape(T, hq * hd)
+
+
+def dynamic_conv(x, dyn, base, group):
+    T, C = x.shape
+    K = base.shape[0]
+    G = C // group
+    out = np.zeros((T, C))
+    for o in range(K):
+        w = base[o][None, :] + np.repeat(dyn[:, o * G : (o + 1) * G], group, axis=1)  # [T, C]
+        shifted = np.zeros((T, C))
+        shifted[o:] = x[: T - o]
+        out += w * shifted
+    return out
+
+
+def selector_walk_greedy(logits, h, pred, succ, anchor, top_k):
+    prev, tokens = anchor, []
+    for t in range(logits.shape[0]):
+        cand = np.argsort(-logits[t], kind="stable")[:top_k]
+        s = logits[t, cand] + (pred[prev].astype(np.float64) * h[t]) @ succ[cand].T
+        prev = int(cand[np.argmax(s)])
+        tokens.append(prev)
+    return tokens
+
+
+def sampler_probs(logits, temperature, top_k=0, top_p=1.0):
+    """The distribution sample() draws from: softmax(logits / T), top-k, then the smallest top-p prefix."""
+    z = logits.astype(np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    order = sorted(range(len(p)), key=lambda i: (-p[i], i))
+    keep = order[: top_k] if top_k else order
+    if top_p < 1:
+        cum, n = 0.0, 0
+        for i in keep:
+            cum += p[i]
+            n += 1
+            if cum >= top_p:
+                break
+        keep = keep[:n]
+    out = np.zeros_like(p)
+    out[keep] = p[keep]
+    return out / out.sum()

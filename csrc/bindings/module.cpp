@@ -54,8 +54,9 @@ py::dict config_to_dict(const ModelConfig& c) {
 }
 
 SamplingParams make_params(int64_t max_new_tokens, float temperature, int64_t top_k, float top_p, uint64_t seed,
-                           std::vector<int32_t> stop) {
+                           std::vector<int32_t> stop, bool speculative) {
   SamplingParams sp;
+  sp.speculative = speculative;
   sp.max_new_tokens = max_new_tokens;
   sp.temperature = temperature;
   sp.top_k = top_k;
@@ -111,12 +112,14 @@ PYBIND11_MODULE(_core, m) {
       .def_readonly("finish_reason", &GenerationResult::finish_reason)
       .def_readonly("prompt_tokens", &GenerationResult::prompt_tokens)
       .def_readonly("prefill_seconds", &GenerationResult::prefill_seconds)
-      .def_readonly("decode_seconds", &GenerationResult::decode_seconds);
+      .def_readonly("decode_seconds", &GenerationResult::decode_seconds)
+      .def_readonly("acceptance_lengths", &GenerationResult::acceptance_lengths);
 
   py::class_<Engine>(m, "Engine")
       .def(py::init([](const std::string& dir, const std::string& device, int64_t max_context, int64_t prefill_chunk,
-                       int num_threads, bool cuda_graphs, int64_t max_image_patches) {
+                       int num_threads, bool cuda_graphs, int64_t max_image_patches, const std::string& drafter) {
              EngineOptions o;
+             o.drafter = drafter;
              o.device = device;
              o.max_context = max_context;
              o.prefill_chunk = prefill_chunk;
@@ -127,7 +130,8 @@ PYBIND11_MODULE(_core, m) {
              return Engine::create(dir, o);
            }),
            py::arg("model_dir"), py::arg("device") = "cpu", py::arg("max_context") = 0, py::arg("prefill_chunk") = 0,
-           py::arg("num_threads") = 0, py::arg("cuda_graphs") = true, py::arg("max_image_patches") = 16384)
+           py::arg("num_threads") = 0, py::arg("cuda_graphs") = true, py::arg("max_image_patches") = 16384,
+           py::arg("drafter") = "")
       .def_property_readonly("config", [](const Engine& e) { return config_to_dict(e.config()); })
       .def_property_readonly("max_context", &Engine::max_context)
       .def("stats", [](const Engine& e) {
@@ -146,6 +150,9 @@ PYBIND11_MODULE(_core, m) {
         d["workspace_bytes"] = s.workspace_bytes;
         d["launches_per_decode_step"] = s.launches_per_decode_step;
         d["kernels_per_decode_step"] = s.kernels_per_decode_step;
+        d["draft_block_size"] = s.draft_block_size;
+        d["drafter_weight_bytes"] = s.drafter_weight_bytes;
+        d["drafter_state_bytes"] = s.drafter_state_bytes;
         return d;
       })
       .def("score", [](Engine& e, const std::vector<int32_t>& ids, int64_t chunk, std::optional<FloatArray> pixel_values,
@@ -161,15 +168,15 @@ PYBIND11_MODULE(_core, m) {
          py::arg("image_grid_thw") = py::none())
       .def("start", [](Engine& e, const std::vector<int32_t>& ids, int64_t max_new_tokens, float temperature, int64_t top_k,
                        float top_p, uint64_t seed, std::vector<int32_t> stop, std::optional<FloatArray> pixel_values,
-                       std::optional<IntArray> grid_thw) {
+                       std::optional<IntArray> grid_thw, bool speculative) {
              std::optional<ImageBatch> images = maybe_images(pixel_values, grid_thw);
              py::gil_scoped_release release;
-             e.start(ids, make_params(max_new_tokens, temperature, top_k, top_p, seed, std::move(stop)),
+             e.start(ids, make_params(max_new_tokens, temperature, top_k, top_p, seed, std::move(stop), speculative),
                      images ? &*images : nullptr);
            },
            py::arg("token_ids"), py::arg("max_new_tokens"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
            py::arg("seed"), py::arg("stop_token_ids"), py::arg("pixel_values") = py::none(),
-           py::arg("image_grid_thw") = py::none())
+           py::arg("image_grid_thw") = py::none(), py::arg("speculative") = true)
       .def("next_token", [](Engine& e) {
         py::gil_scoped_release release;
         return e.next_token();
@@ -187,15 +194,35 @@ PYBIND11_MODULE(_core, m) {
       }, py::arg("pixel_values"), py::arg("image_grid_thw"))
       .def("generate", [](Engine& e, const std::vector<int32_t>& ids, int64_t max_new_tokens, float temperature, int64_t top_k,
                           float top_p, uint64_t seed, std::vector<int32_t> stop, std::optional<FloatArray> pixel_values,
-                          std::optional<IntArray> grid_thw) {
+                          std::optional<IntArray> grid_thw, bool speculative) {
              std::optional<ImageBatch> images = maybe_images(pixel_values, grid_thw);
              py::gil_scoped_release release;
-             return e.generate(ids, make_params(max_new_tokens, temperature, top_k, top_p, seed, std::move(stop)), nullptr,
-                               images ? &*images : nullptr);
+             return e.generate(ids, make_params(max_new_tokens, temperature, top_k, top_p, seed, std::move(stop), speculative),
+                               nullptr, images ? &*images : nullptr);
            },
            py::arg("token_ids"), py::arg("max_new_tokens"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
            py::arg("seed"), py::arg("stop_token_ids"), py::arg("pixel_values") = py::none(),
-           py::arg("image_grid_thw") = py::none());
+           py::arg("image_grid_thw") = py::none(), py::arg("speculative") = true)
+      .def("draft", [](Engine& e, const std::vector<int32_t>& ids, std::optional<FloatArray> pixel_values,
+                       std::optional<IntArray> grid_thw) {
+             std::optional<ImageBatch> images = maybe_images(pixel_values, grid_thw);
+             py::gil_scoped_release release;
+             return e.draft(ids, images ? &*images : nullptr);
+           },
+           py::arg("token_ids"), py::arg("pixel_values") = py::none(), py::arg("image_grid_thw") = py::none())
+      .def_property_readonly("acceptance_lengths", &Engine::acceptance_lengths)
+      .def("set_proposal_hook", [](Engine& e, std::optional<py::function> hook) {
+             // The hook runs on the thread that generates, with the GIL released: it takes the GIL. It
+             // returns the proposals to verify (a list of ints) or None to keep them.
+             if (!hook) return e.set_proposal_hook(nullptr);
+             auto shared = std::make_shared<py::function>(*hook);
+             e.set_proposal_hook([shared](int64_t position, std::vector<int32_t>& proposals) {
+               py::gil_scoped_acquire gil;
+               py::object replaced = (*shared)(position, proposals);
+               if (!replaced.is_none()) proposals = replaced.cast<std::vector<int32_t>>();
+             });
+           },
+           py::arg("hook"));
 
   register_op_runner(m);
   register_kernel_bench(m);

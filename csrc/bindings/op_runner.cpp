@@ -459,6 +459,91 @@ void register_op_runner(py::module_& m) {
              return got;
            },
            py::arg("value"), py::arg("tag"), py::arg("steps"), py::arg("wait_tags"), py::arg("drain") = false)
+      .def("gdn_verify_commit",
+           [](OpRunner& r, F32Array proj, F32Array conv_w, F32Array conv_state, F32Array A_log, F32Array dt_bias,
+              F32Array norm_w, F32Array state, int64_t hk, int64_t hv, int64_t dk, int64_t dv, int32_t keep, int64_t pad) {
+             // gdn_verify of the T tokens of proj [T, width + pad] (a column range, as the model passes it),
+             // then gdn_commit of the first `keep`. Returns (out, conv_state and state after the verify,
+             // conv_state and state after the commit).
+             GdnParams p = gdn_params(hk, hv, dk, dv, 1e-6f);
+             p.conv_kernel = conv_w.shape(1);
+             const py::ssize_t T = proj.shape(0), width = proj.shape(1) - pad, C = p.conv_dim(), vdim = hv * dv;
+             Tensor pr = r.upload(proj, r.act()).cols(0, width);
+             Tensor cw = r.upload(conv_w, DType::F32), cs = r.upload(conv_state, DType::F32),
+                    st = r.upload(state, DType::F32), a = r.upload(A_log, DType::F32), d = r.upload(dt_bias, DType::F32),
+                    nw = r.upload(norm_w, DType::F32);
+             Tensor out = r.poisoned({T, vdim}, r.act()), conv_out = r.poisoned({T, C}, r.act()),
+                    o = r.poisoned({T, vdim}, r.act());
+             GdnReplay replay{r.poisoned({T, C}, r.act()), r.poisoned({T, hk * dk}, DType::F32),
+                              r.poisoned({T, hv}, DType::F32), r.poisoned({T, vdim}, DType::F32)};
+             r.be().gdn_verify(pr, cw, cs, a, d, nw, st, p, conv_out, o, out, replay);
+             py::array_t<float> cs_verify = r.download(cs), st_verify = r.download(st);
+             I32Array k(std::vector<py::ssize_t>{1});
+             k.mutable_data()[0] = keep;
+             r.be().gdn_commit(replay, r.upload_i32(k), p, cs, st);
+             return py::make_tuple(r.download(out), cs_verify, st_verify, r.download(cs), r.download(st));
+           },
+           py::arg("proj"), py::arg("conv_w"), py::arg("conv_state"), py::arg("A_log"), py::arg("dt_bias"),
+           py::arg("norm_w"), py::arg("state"), py::arg("hk"), py::arg("hv"), py::arg("dk"), py::arg("dv"),
+           py::arg("keep"), py::arg("pad") = 0)
+      .def("draft_store_kv",
+           [](OpRunner& r, F32Array kv, F32Array k_norm, I32Array positions, F32Array k_cache, F32Array v_cache,
+              int64_t hkv, int64_t hd, float theta, float eps) {
+             AttentionParams p = attn_params(1, hkv, hd, hd, theta, eps);
+             Tensor kc = r.upload(k_cache, r.act()), vc = r.upload(v_cache, r.act());
+             r.be().draft_store_kv(r.upload(kv, r.act()), r.upload(k_norm, DType::F32), r.upload_i32(positions), p, kc, vc);
+             return py::make_tuple(r.download(kc), r.download(vc));
+           })
+      .def("draft_attention",
+           [](OpRunner& r, F32Array q, F32Array q_norm, I32Array positions, F32Array k_cache, F32Array v_cache, int64_t hq,
+              int64_t hkv, int64_t hd, float theta, float eps, bool causal, int64_t window) {
+             AttentionParams p = attn_params(hq, hkv, hd, hd, theta, eps);
+             Tensor out = r.poisoned({q.shape(0), hq * hd}, r.act());
+             r.be().draft_attention(r.upload(q, r.act()), r.upload(q_norm, DType::F32), r.upload_i32(positions),
+                                    r.upload(k_cache, r.act()), r.upload(v_cache, r.act()), p, DraftMask{causal, window}, out);
+             return r.download(out);
+           })
+      .def("dynamic_conv", [](OpRunner& r, F32Array x, F32Array dyn, F32Array base, int64_t group) {
+        Tensor out = r.poisoned({x.shape(0), x.shape(1)}, r.act());
+        r.be().dynamic_conv(r.upload(x, r.act()), r.upload(dyn, r.act()), r.upload(base, DType::F32), group, out);
+        return r.download(out);
+      })
+      .def("scale_softcap", [](OpRunner& r, F32Array x, float multiplier, float softcap) {
+        Tensor t = r.upload(x, r.act());
+        r.be().scale_softcap(t, multiplier, softcap);
+        return r.download(t);
+      })
+      .def("selector_walk",
+           [](OpRunner& r, F32Array logits, F32Array h, F32Array pred, F32Array succ, int32_t anchor, int64_t top_k,
+              float temperature, uint64_t seed, int32_t step) {
+             // Returns (tokens, candidates, candidate probabilities).
+             const py::ssize_t R = logits.shape(0);
+             I32Array a(std::vector<py::ssize_t>{1}), st(std::vector<py::ssize_t>{1});
+             a.mutable_data()[0] = anchor;
+             st.mutable_data()[0] = step;
+             Tensor tokens = r.upload_i32(I32Array(std::vector<py::ssize_t>{R})),
+                    cand = r.upload_i32(I32Array(std::vector<py::ssize_t>{R, py::ssize_t(top_k)}));
+             Tensor prob = r.poisoned({R, py::ssize_t(top_k)}, DType::F32);
+             r.be().selector_walk(r.upload(logits, r.act()), r.upload(h, r.act()), r.upload(pred, r.wt()),
+                                  r.upload(succ, r.wt()), r.upload_i32(a), temperature, seed, r.upload_i32(st), tokens, cand,
+                                  prob);
+             return py::make_tuple(r.download_i32(tokens), r.download_i32(cand), r.download(prob));
+           })
+      .def("speculative_accept",
+           [](OpRunner& r, F32Array logits, I32Array draft, I32Array cand, F32Array cand_prob, float temperature,
+              int32_t top_k, float top_p, uint64_t seed, int32_t step) {
+             // Returns (emitted tokens, their count, the advanced step).
+             SamplerConfig c{temperature, top_k, top_p, seed};
+             I32Array st(std::vector<py::ssize_t>{1});
+             st.mutable_data()[0] = step;
+             Tensor stt = r.upload_i32(st), out = r.upload_i32(I32Array(std::vector<py::ssize_t>{logits.shape(0)})),
+                    count = r.upload_i32(I32Array(std::vector<py::ssize_t>{1}));
+             r.be().speculative_accept(r.upload(logits, r.act()), r.upload_i32(draft), r.upload_i32(cand),
+                                       r.upload(cand_prob, DType::F32), c, stt, out, count);
+             const int32_t n = r.download_i32(count).data()[0];
+             py::array_t<int32_t> emitted = r.download_i32(out);
+             return py::make_tuple(emitted[py::slice(0, n, 1)], n, r.download_i32(stt).data()[0]);
+           })
       .def("sample", [](OpRunner& r, F32Array logits, float temperature, int32_t top_k, float top_p, uint64_t seed,
                         int32_t step) {
         SamplerConfig c{temperature, top_k, top_p, seed};

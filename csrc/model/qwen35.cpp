@@ -133,8 +133,39 @@ void Qwen35Model::embed(const Tensor& ids, Workspace& ws) const {
 }
 
 void Qwen35Model::forward_embedded(int64_t T, const Tensor& positions, const Tensor& rope_positions,
-                                   SequenceState& state, Workspace& ws, bool chunked_gdn) const {
-  const int64_t I = cfg_.intermediate_size;
+                                   SequenceState& state, Workspace& ws, bool chunked_gdn, const HiddenTaps* taps) const {
+  run_layers(T, positions, rope_positions, state, ws, chunked_gdn ? GdnMode::kChunked : GdnMode::kDecode, nullptr, taps);
+}
+
+void Qwen35Model::verify(const Tensor& ids, const Tensor& positions, const Tensor& rope_positions, SequenceState& state,
+                         Workspace& ws, const std::vector<GdnReplay>& replay, const HiddenTaps* taps) const {
+  embed(ids, ws);
+  run_layers(ids.dim(0), positions, rope_positions, state, ws, GdnMode::kVerify, &replay, taps);
+}
+
+void Qwen35Model::commit(SequenceState& state, const std::vector<GdnReplay>& replay, const Tensor& keep) const {
+  for (size_t li = 0; li < layers_.size(); ++li)
+    if (!layers_[li].full_attention)
+      be_.gdn_commit(replay[li], keep, gdn_, state.layers[li].conv_state, state.layers[li].recurrent);
+}
+
+std::vector<GdnReplay> Qwen35Model::make_replay(Arena& arena, int64_t T) const {
+  std::vector<GdnReplay> replay(layers_.size());
+  for (size_t li = 0; li < layers_.size(); ++li) {
+    if (layers_[li].full_attention) continue;
+    GdnReplay& r = replay[li];
+    r.conv_in = arena.alloc(be_.activation_dtype(), {T, gdn_.conv_dim()});
+    r.k = arena.alloc(DType::F32, {T, gdn_.num_k_heads * gdn_.k_head_dim});
+    r.g = arena.alloc(DType::F32, {T, gdn_.num_v_heads});
+    r.u = arena.alloc(DType::F32, {T, gdn_.num_v_heads * gdn_.v_head_dim});
+  }
+  return replay;
+}
+
+void Qwen35Model::run_layers(int64_t T, const Tensor& positions, const Tensor& rope_positions, SequenceState& state,
+                             Workspace& ws, GdnMode mode, const std::vector<GdnReplay>* replay,
+                             const HiddenTaps* taps) const {
+  const int64_t I = cfg_.intermediate_size, H = cfg_.hidden_size;
   const float eps = float(cfg_.rms_norm_eps);
   if (T > ws.max_tokens) throw Error(ErrorCode::kInternal, "forward: more tokens than the workspace holds");
   Tensor x = ws.residual.rows(0, T), normed = ws.normed.rows(0, T), delta = ws.delta.rows(0, T);
@@ -164,10 +195,13 @@ void Qwen35Model::forward_embedded(int64_t T, const Tensor& positions, const Ten
       } else {
         be_.rms_norm_linear(x, eps, L.gdn.in_proj, normed, all);
       }
-      if (chunked_gdn) {
+      if (mode == GdnMode::kChunked) {
         be_.gdn_conv(all.cols(0, C), L.gdn.conv_weight, S.conv_state, conv_out);
         be_.gdn_chunked(conv_out, all.cols(C + vdim, 2 * HV), L.gdn.A_log, L.gdn.dt_bias, S.recurrent, gdn_, o);
         be_.gdn_gated_norm(o, all.cols(C, vdim), L.gdn.norm, gdn_, gated);
+      } else if (mode == GdnMode::kVerify) {
+        be_.gdn_verify(all, L.gdn.conv_weight, S.conv_state, L.gdn.A_log, L.gdn.dt_bias, L.gdn.norm, S.recurrent, gdn_,
+                       conv_out, o, gated, (*replay)[li]);
       } else {
         be_.gdn_decode(all, L.gdn.conv_weight, S.conv_state, L.gdn.A_log, L.gdn.dt_bias, L.gdn.norm, S.recurrent, gdn_,
                        conv_out, o, gated);
@@ -178,8 +212,15 @@ void Qwen35Model::forward_embedded(int64_t T, const Tensor& positions, const Ten
     Tensor gate_up = proj.cols(0, 2 * I), act = mixed.cols(0, I);
     be_.rms_norm_linear_glu(x, eps, L.gate_up, normed, gate_up, act);
     be_.linear_add(act, L.down, delta, x);
+    if (taps)
+      for (size_t i = 0; i < taps->layers.size(); ++i)
+        if (taps->layers[i] == int64_t(li) && li + 1 < layers_.size())
+          be_.copy(taps->out.rows(0, T).cols(int64_t(i) * H, H), x);
   }
   be_.rms_norm(x, final_norm_, normed, eps);
+  if (taps)
+    for (size_t i = 0; i < taps->layers.size(); ++i)
+      if (taps->layers[i] + 1 == int64_t(layers_.size())) be_.copy(taps->out.rows(0, T).cols(int64_t(i) * H, H), normed);
 }
 
 void Qwen35Model::logits(const Tensor& hidden, const Tensor& out) const { be_.linear(hidden, lm_head_, out); }

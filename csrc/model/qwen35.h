@@ -56,6 +56,14 @@ struct Workspace {
   Tensor gdn_out, gated;           // [T, HV*dv]
 };
 
+// Where a forward leaves the hidden states a drafter reads (its "taps"): the output residual stream of
+// decoder layer layers[i] (for the last layer, the final-normed output, as transformers numbers
+// hidden_states[i + 1]) into columns [i*H, (i+1)*H) of out rows 0..T-1.
+struct HiddenTaps {
+  std::vector<int64_t> layers;
+  Tensor out;  // [max tokens, layers.size() * H]
+};
+
 class Qwen35Model {
  public:
   // Projections are stored as `quant` describes (dense for a dense checkpoint).
@@ -77,7 +85,17 @@ class Qwen35Model {
   // in ws.residual[0:T] between them.
   void embed(const Tensor& ids, Workspace& ws) const;
   void forward_embedded(int64_t T, const Tensor& positions, const Tensor& rope_positions, SequenceState& state,
-                        Workspace& ws, bool chunked_gdn) const;
+                        Workspace& ws, bool chunked_gdn, const HiddenTaps* taps = nullptr) const;
+
+  // Speculative verification (ReplaySSM): forward() of T tokens, except that the DeltaNet layers
+  // leave their states as they are and record the tokens in `replay` (gdn_verify); attention layers
+  // write their K/V rows as usual. commit() then advances the DeltaNet states past the first keep[0]
+  // tokens (I32 [1], device); K/V rows past them are overwritten by later forwards.
+  void verify(const Tensor& ids, const Tensor& positions, const Tensor& rope_positions, SequenceState& state,
+              Workspace& ws, const std::vector<GdnReplay>& replay, const HiddenTaps* taps) const;
+  void commit(SequenceState& state, const std::vector<GdnReplay>& replay, const Tensor& keep) const;
+  // Per layer: the replay records of up to max_tokens tokens (empty for attention layers).
+  std::vector<GdnReplay> make_replay(Arena& arena, int64_t max_tokens) const;
   // logits [R, V] of hidden rows [R, H].
   void logits(const Tensor& hidden, const Tensor& out) const;
 
@@ -86,8 +104,13 @@ class Qwen35Model {
   const GdnParams& gdn_params() const { return gdn_; }
   // Device bytes of the quantized linears (weights and their scales), by format.
   const QuantizedBytes& quantized_bytes() const { return quantized_bytes_; }
+  const Tensor& embedding_table() const { return embed_; }
 
  private:
+  enum class GdnMode { kChunked, kDecode, kVerify };
+  void run_layers(int64_t T, const Tensor& positions, const Tensor& rope_positions, SequenceState& state, Workspace& ws,
+                  GdnMode mode, const std::vector<GdnReplay>* replay, const HiddenTaps* taps) const;
+
   ModelConfig cfg_;
   Backend& be_;
   AttentionParams attn_;

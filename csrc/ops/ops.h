@@ -78,6 +78,21 @@ struct GdnParams {
   int64_t conv_dim() const { return 2 * num_k_heads * k_head_dim + num_v_heads * v_head_dim; }
 };
 
+// What gdn_verify records per token of a block of up to B tokens for gdn_commit (ReplaySSM): enough
+// to advance the committed states past any accepted prefix without the per-position state snapshots.
+struct GdnReplay {
+  Tensor conv_in;  // [B, C] the conv inputs (the qkv columns of in_proj), activation dtype
+  Tensor k;        // [B, HK*dk] F32 the L2-normalised keys
+  Tensor g;        // [B, HV] F32 the log decays
+  Tensor u;        // [B, HV*dv] F32 the corrected updates beta (v - S^T k), S the decayed state before the token
+};
+
+// Which cache rows a drafter query sees (draft_attention).
+struct DraftMask {
+  bool causal = false;  // false: the block attends bidirectionally
+  int64_t window = 0;   // sliding window in positions; 0: none
+};
+
 struct SamplerConfig {
   float temperature = 0;  // <= 0: greedy (argmax, lowest index on ties)
   int32_t top_k = 0;      // 0: all
@@ -298,6 +313,82 @@ class Backend {
   // dst <- src, both on the device, same dtype and shape (dimension 0 may be strided).
   virtual void copy(const Tensor& dst, const Tensor& src) = 0;
 
+  // ---- speculative decoding: verification of a block of T <= B tokens by the target, with the
+  // Gated DeltaNet layers in the ReplaySSM form (verify reads the committed states and writes none,
+  // commit replays the accepted prefix), and the ops of the DFlash drafter. A backend that lacks
+  // them throws Error(kInvalidArgument) naming the op (these defaults). ----
+
+  // gdn_decode's outputs for the T tokens of proj (layout as gdn_decode) computed from conv_state
+  // and state without writing either; rows 0..T-1 of `replay` receive what gdn_commit needs.
+  virtual void gdn_verify(const Tensor& proj, const Tensor& conv_weight, const Tensor& conv_state, const Tensor& A_log,
+                          const Tensor& dt_bias, const Tensor& norm_weight, const Tensor& state, const GdnParams& p,
+                          const Tensor& conv_out, const Tensor& o, const Tensor& out, const GdnReplay& replay) {
+    throw speculative_unsupported("gdn_verify");
+  }
+  // Advances conv_state and state past the first keep[0] tokens (I32 [1], 1 <= keep <= T) of the last
+  // gdn_verify that filled `replay`: the states gdn_decode of those tokens would have left, per token
+  // S = exp(g) S + k u^T and conv_state = the last K-1 rows of [conv_state ; conv_in[0 : keep]].
+  virtual void gdn_commit(const GdnReplay& replay, const Tensor& keep, const GdnParams& p, const Tensor& conv_state,
+                          const Tensor& state) {
+    throw speculative_unsupported("gdn_commit");
+  }
+
+  // The drafter's attention (Qwen3: no gate, RoPE over the whole head at sequence positions).
+  // draft_store_kv: kv [T, 2*Hkv*hd] = k | v; k gets k_norm (zero-centred RMSNorm per head) and RoPE
+  // at positions[t] (I32 [T]); both go to row positions[t] of k_cache / v_cache [rows, Hkv, hd].
+  virtual void draft_store_kv(const Tensor& kv, const Tensor& k_norm, const Tensor& positions, const AttentionParams& p,
+                              const Tensor& k_cache, const Tensor& v_cache) {
+    throw speculative_unsupported("draft_store_kv");
+  }
+  // q [T, Hq*hd] gets q_norm and RoPE at positions[t]; query t attends to the cache rows r <= last =
+  // positions[T-1] that the mask admits: r <= positions[t] when `mask.causal`; with a window W > 0,
+  // positions[t] - r < W, and also r - positions[t] < W when not causal. out [T, Hq*hd].
+  virtual void draft_attention(const Tensor& q, const Tensor& q_norm, const Tensor& positions, const Tensor& k_cache,
+                               const Tensor& v_cache, const AttentionParams& p, const DraftMask& mask,
+                               const Tensor& out) {
+    throw speculative_unsupported("draft_attention");
+  }
+  // DFlash2's grouped dynamic causal convolution over one block: with G = C / group,
+  // out[t, c] = sum over o < K, o <= t of (base[o, c] + dyn[t, o*G + c/group]) * x[t - o, c]
+  // (rows before the block count as zero). x, out [T, C]; dyn [T, K*G] (may be strided); base [K, C] F32.
+  virtual void dynamic_conv(const Tensor& x, const Tensor& dyn, const Tensor& base, int64_t group, const Tensor& out) {
+    throw speculative_unsupported("dynamic_conv");
+  }
+  // x = tanh(x * multiplier / softcap) * softcap in place (softcap <= 0: x *= multiplier). x [R, V].
+  virtual void scale_softcap(const Tensor& x, float multiplier, float softcap) {
+    throw speculative_unsupported("scale_softcap");
+  }
+  // DFlash2's candidate walk over the R = B-1 drafted positions. logits [R, V] (scale_softcap'ed);
+  // h [R, r] = hidden_projection of the drafter's hidden states; pred, succ [V, r] the codebooks;
+  // anchor I32 [1]. Per position t: the K = cand.dim(1) largest logits are the candidates (ties: lower
+  // id first), scored s(c) = logits[t, c] + sum_j pred[prev, j] h[t, j] succ[c, j], prev the token
+  // chosen at t-1 (the anchor at t = 0). temperature <= 0: the highest score (first in candidate
+  // order on ties); else a draw from softmax(s / temperature) with uniform_hash(seed, step[0] + t).
+  // tokens I32 [R]: the walk; cand I32 [R, K] and cand_prob F32 [R, K]: the draft distribution q_t
+  // (one-hot at temperature 0). step is not advanced.
+  virtual void selector_walk(const Tensor& logits, const Tensor& h, const Tensor& pred, const Tensor& succ,
+                             const Tensor& anchor, float temperature, uint64_t seed, const Tensor& step,
+                             const Tensor& tokens, const Tensor& cand, const Tensor& cand_prob) {
+    throw speculative_unsupported("selector_walk");
+  }
+  // Acceptance of a verified block [anchor, draft_0 .. draft_{B-2}]. logits [B, V]: the target's, row
+  // i predicting the token after block token i; draft I32 [B-1]; q_i: cand_prob [B-1, Kq] (F32) on the
+  // token ids cand [B-1, Kq] (I32), zero elsewhere. With a = the number of drafts accepted, out I32
+  // [B] receives the a + 1 emitted tokens (draft_0 .. draft_{a-1}, then the correction or bonus) and
+  // count I32 [1] = a + 1.
+  // - config.temperature <= 0: a = the longest prefix with draft_i == argmax(logits[i]) (the sampler's
+  //   argmax); then argmax(logits[a]).
+  // - else, p_i = the distribution sample() draws row i from (temperature, top-k, top-p): draft_i is
+  //   accepted iff u_i q_i(draft_i) < p_i(draft_i), u_i = uniform_hash(seed, step[0] + i); at the first
+  //   rejection the token is drawn from normalize(max(0, p_a - q_a)) (p_a where that is all zero), after
+  //   B-1 acceptances from p_{B-1}, with uniform_hash(seed, step[0] + B-1). step advances by B.
+  // The emitted tokens are distributed as sample() over the target alone would draw them.
+  virtual void speculative_accept(const Tensor& logits, const Tensor& draft, const Tensor& cand, const Tensor& cand_prob,
+                                  const SamplerConfig& config, const Tensor& step, const Tensor& out,
+                                  const Tensor& count) {
+    throw speculative_unsupported("speculative_accept");
+  }
+
   // ---- step graphs: the ops issued between begin_capture() and end_capture() are recorded (not
   // run) and replay() runs them all with one launch. Backends without graphs return false. ----
   virtual bool supports_graphs() const { return false; }
@@ -313,6 +404,10 @@ class Backend {
   static Error missing_post(int32_t tag) {
     return Error(ErrorCode::kInternal, "wait_post_i32: no post tagged " + std::to_string(tag) +
                                            " is in the mailbox (never posted, or overwritten by a later one)");
+  }
+  Error speculative_unsupported(const char* op) const {
+    return Error(ErrorCode::kInvalidArgument, std::string(op) + ": speculative decoding is not yet implemented on the " +
+                                                  name() + " backend");
   }
 
  private:

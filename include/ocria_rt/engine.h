@@ -26,6 +26,9 @@ struct EngineOptions {
   int num_threads = 0;          // CPU backend threads; 0: all cores
   bool cuda_graphs = true;      // CUDA backend: replay the decode step as one captured graph
   int64_t max_image_patches = 16384;  // VLMs: vision-encoder patches per call (16384 = a 2048 x 2048 page)
+  // Speculative decoding: a DFlash or DFlash2 drafter directory in z-lab's format (config.json with
+  // dflash_config, model.safetensors) trained for this target; "" for none. CPU backend only for now.
+  std::string drafter;
 };
 
 // Images as the image processor emits them (ocria_rt.preprocess_image, or transformers'
@@ -44,6 +47,9 @@ struct SamplingParams {
   float top_p = 1.0f;        // 1: no nucleus cut
   uint64_t seed = 0;
   std::vector<int32_t> stop_token_ids;  // generation stops after emitting one of these
+  // With a drafter loaded: draft blocks and verify them (false: plain decoding for this call). Either
+  // way the tokens follow the same distribution (greedy: the same tokens).
+  bool speculative = true;
 };
 
 struct GenerationResult {
@@ -52,6 +58,9 @@ struct GenerationResult {
   int64_t prompt_tokens = 0;
   double prefill_seconds = 0;
   double decode_seconds = 0;       // time for tokens after the first
+  // Speculative decoding: the tokens each verify step contributed (accepted drafts + 1; the last
+  // step's cut where a stop token or max_new_tokens ends the generation). Empty without it.
+  std::vector<int64_t> acceptance_lengths;
   double prefill_tokens_per_second() const { return prefill_seconds > 0 ? prompt_tokens / prefill_seconds : 0; }
   double decode_tokens_per_second() const {
     return decode_seconds > 0 && token_ids.size() > 1 ? (token_ids.size() - 1) / decode_seconds : 0;
@@ -71,7 +80,15 @@ struct EngineStats {
   int64_t workspace_bytes = 0;
   int64_t launches_per_decode_step = 0;  // GPU launches the host issues per decode step (1 with graphs)
   int64_t kernels_per_decode_step = 0;   // kernels in one decode step
+  int64_t draft_block_size = 0;          // the drafter's block B (0: no drafter)
+  int64_t drafter_weight_bytes = 0;      // its weights (it shares the target's embedding and LM head)
+  int64_t drafter_state_bytes = 0;       // its context K/V cache
 };
+
+// Called with each speculative step's proposals (the B - 1 drafted tokens) and the sequence index of
+// the anchor before they are verified; it may replace them (tests force acceptance lengths this way).
+// Replaced or not, while a hook is set every proposal counts as a deterministic draft (q one-hot).
+using ProposalHook = std::function<void(int64_t anchor_position, std::vector<int32_t>& proposals)>;
 
 class Engine {
  public:
@@ -95,6 +112,13 @@ class Engine {
                      const ImageBatch* images = nullptr) = 0;
   virtual int32_t next_token() = 0;
   virtual double last_prefill_seconds() const = 0;
+
+  // Speculative decoding (a drafter loaded): the greedy proposals of the first step after `prompt`,
+  // i.e. the B - 1 tokens drafted after the target's greedy first token. Starts a fresh sequence.
+  virtual std::vector<int32_t> draft(const std::vector<int32_t>& prompt, const ImageBatch* images = nullptr) = 0;
+  // The acceptance lengths of the current or last generation (see GenerationResult).
+  virtual std::vector<int64_t> acceptance_lengths() const = 0;
+  virtual void set_proposal_hook(ProposalHook hook) = 0;  // nullptr removes it
 
   // VLMs: the vision encoder's merged output for `images`, row-major [patches / merge^2, hidden].
   virtual std::vector<float> encode_images(const ImageBatch& images) = 0;

@@ -1,6 +1,7 @@
 """Type stubs of the native module (csrc/bindings/). Test-only classes (OpRunner, KernelBench) are
 typed loosely."""
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -16,24 +17,30 @@ class GenerationResult:
     prompt_tokens: int
     prefill_seconds: float
     decode_seconds: float
+    acceptance_lengths: list[int]
 
 class Engine:
     config: dict[str, Any]
     max_context: int
     last_prefill_seconds: float
+    acceptance_lengths: list[int]
     def __init__(self, model_dir: str, device: str = ..., max_context: int = ..., prefill_chunk: int = ...,
-                 num_threads: int = ..., cuda_graphs: bool = ..., max_image_patches: int = ...) -> None: ...
+                 num_threads: int = ..., cuda_graphs: bool = ..., max_image_patches: int = ...,
+                 drafter: str = ...) -> None: ...
     def stats(self) -> dict[str, Any]: ...
     def score(self, token_ids: list[int], chunk: int = ..., pixel_values: np.ndarray | None = ...,
               image_grid_thw: np.ndarray | None = ...) -> np.ndarray: ...
     def encode_images(self, pixel_values: np.ndarray, image_grid_thw: np.ndarray) -> np.ndarray: ...
     def start(self, token_ids: list[int], max_new_tokens: int, temperature: float, top_k: int, top_p: float,
               seed: int, stop_token_ids: list[int], pixel_values: np.ndarray | None = ...,
-              image_grid_thw: np.ndarray | None = ...) -> None: ...
+              image_grid_thw: np.ndarray | None = ..., speculative: bool = ...) -> None: ...
     def next_token(self) -> int: ...
     def generate(self, token_ids: list[int], max_new_tokens: int, temperature: float, top_k: int, top_p: float,
                  seed: int, stop_token_ids: list[int], pixel_values: np.ndarray | None = ...,
-                 image_grid_thw: np.ndarray | None = ...) -> GenerationResult: ...
+                 image_grid_thw: np.ndarray | None = ..., speculative: bool = ...) -> GenerationResult: ...
+    def draft(self, token_ids: list[int], pixel_values: np.ndarray | None = ...,
+              image_grid_thw: np.ndarray | None = ...) -> list[int]: ...
+    def set_proposal_hook(self, hook: Callable[[int, list[int]], list[int] | None] | None) -> None: ...
 
 class OpRunner:
     name: str

@@ -8,11 +8,15 @@ import sys
 
 from .errors import OcriaError
 
+DRAFTER_HELP = ("speculative decoding with this DFlash / DFlash2 drafter directory (z-lab's format), trained for "
+                "the model: the same output, fewer target passes when its drafts are accepted (CPU only for now)")
+
 
 def _generate(args: argparse.Namespace) -> int:
     from . import Engine
 
-    eng = Engine(args.model, device=args.device, max_context=args.max_context, num_threads=args.threads)
+    eng = Engine(args.model, device=args.device, max_context=args.max_context, num_threads=args.threads,
+                 drafter=args.drafter)
     stops: list[int] | None = [] if args.ignore_eos else None
     prompt = args.prompt
     if eng.tokenizer is None:
@@ -39,9 +43,13 @@ def _generate(args: argparse.Namespace) -> int:
             "prompt_tokens": r.prompt_tokens, "prefill_seconds": r.prefill_seconds,
             "decode_seconds": r.decode_seconds, "decode_tokens_per_second": r.decode_tokens_per_second,
             "prefill_tokens_per_second": r.prefill_tokens_per_second, "stats": r.stats,
+            "acceptance_lengths": r.acceptance_lengths, "mean_acceptance_length": r.mean_acceptance_length,
         }))
         return 0
     print(r.text if r.text is not None else " ".join(map(str, r.token_ids)))
+    if r.acceptance_lengths:
+        print(f"[speculative: {len(r.acceptance_lengths)} verify steps, {r.mean_acceptance_length:.2f} tokens per step]",
+              file=sys.stderr)
     print(
         f"[{r.prompt_tokens} prompt tokens: prefill {r.prefill_seconds * 1e3:.1f} ms "
         f"({r.prefill_tokens_per_second:.1f} tokens/s); {len(r.token_ids)} new tokens: "
@@ -101,10 +109,11 @@ def _parse(args: argparse.Namespace) -> int:
     inputs = [str(sample_document())] if args.sample else args.inputs
 
     engine = args.model  # a directory (or None: the default VLM), loaded by parse() once the inputs check out
-    if args.threads:
+    if args.threads or args.drafter:
         from . import Engine, default_model_dir
 
-        engine = Engine(args.model or default_model_dir(), device=args.device, num_threads=args.threads)
+        engine = Engine(args.model or default_model_dir(), device=args.device, num_threads=args.threads,
+                        drafter=args.drafter)
     doc = parse(
         inputs,
         engine=engine,
@@ -184,7 +193,7 @@ def _eval(args: argparse.Namespace) -> int:
             raise InvalidArgumentError(f"{name} needs {low} <= LO <= HI, got {pair[0]} {pair[1]}")
     if args.max_chars is not None and args.max_chars < 1:
         raise InvalidArgumentError(f"--max-chars must be at least 1, got {args.max_chars}")
-    eng = Engine(args.model or default_model_dir(), device=args.device, num_threads=args.threads)
+    eng = Engine(args.model or default_model_dir(), device=args.device, num_threads=args.threads, drafter=args.drafter)
     if not eng.config.get("has_vision"):
         raise InvalidArgumentError(f"model '{eng.model_dir}' has no vision encoder: eval needs a VLM")
     # The pages: the model's own training distribution when its directory says (training.json), else
@@ -241,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     g.add_argument("--stream", action="store_true", help="print tokens as they come")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    g.add_argument("--drafter", default=None, metavar="DIR", help=DRAFTER_HELP)
     g.set_defaults(func=_generate)
 
     pa = sub.add_parser(
@@ -263,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     pa.add_argument("--dpi", type=float, default=None, help="render PDFs at this resolution (default: longer side = --target-long-side)")
     pa.add_argument("--target-long-side", type=int, default=1288, help="PDF pages: pixels of the longer side (default 1288)")
     pa.add_argument("--threads", type=int, default=0, help="CPU threads (0: all cores)")
+    pa.add_argument("--drafter", default=None, metavar="DIR", help=DRAFTER_HELP)
     prog = pa.add_mutually_exclusive_group()
     prog.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     prog.add_argument("--progress", action="store_true", help="a progress line on stderr even when it is not a terminal")
@@ -289,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--max-chars", type=int, default=None,
                    help="Markdown characters per page at most (default: as --long-side, else no limit)")
     e.add_argument("--threads", type=int, default=0, help="CPU threads (0: all cores)")
+    e.add_argument("--drafter", default=None, metavar="DIR", help=DRAFTER_HELP)
     e.add_argument("--json", default=None, metavar="OUT.json", help="also write the figures, per page, as JSON")
     e.add_argument("--progress", action="store_true", help="one line per page on stdout")
     e.set_defaults(func=_eval)

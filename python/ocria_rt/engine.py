@@ -28,6 +28,15 @@ class GenerationResult:
     prefill_seconds: float
     decode_seconds: float
     stats: dict[str, object] = field(default_factory=dict)
+    # Speculative decoding: tokens each verify step contributed (accepted drafts + 1; the last step's
+    # cut by a stop token or max_new_tokens). Empty without a drafter or with speculative=False.
+    acceptance_lengths: list[int] = field(default_factory=list)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verify step (tau); 0 without speculative decoding."""
+        a = self.acceptance_lengths
+        return sum(a) / len(a) if a else 0.0
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -44,6 +53,10 @@ class Engine:
 
     >>> eng = ocria_rt.Engine()                      # the small model shipped in the package, on the CPU
     >>> eng.chat([{"role": "user", "content": [{"type": "image", "image": "page.png"}]}]).text
+
+    drafter: a DFlash / DFlash2 drafter directory (z-lab's format) trained for this model: generation
+    then drafts blocks and verifies them with the model (speculative decoding; CPU only for now), with
+    the same tokens (greedy) or the same distribution (sampling) as without it.
     """
 
     def __init__(
@@ -56,6 +69,7 @@ class Engine:
         num_threads: int = 0,
         cuda_graphs: bool = True,
         max_image_patches: int = 16384,
+        drafter: str | os.PathLike[str] | None = None,
     ) -> None:
         from . import default_model_dir
 
@@ -68,7 +82,9 @@ class Engine:
             num_threads=num_threads,
             cuda_graphs=cuda_graphs,
             max_image_patches=max_image_patches,
+            drafter="" if drafter is None else str(drafter),
         )
+        self.drafter_dir = Path(drafter) if drafter is not None else None
         self.device = device
         self.config: dict[str, Any] = self._core.config
         self.tokenizer = _load_tokenizer(self.model_dir)
@@ -142,16 +158,17 @@ class Engine:
         stop_token_ids: Sequence[int] | None = None,
         pixel_values: np.ndarray | None = None,
         image_grid_thw: np.ndarray | None = None,
+        speculative: bool = True,
     ) -> GenerationResult:
         """Generates up to max_new_tokens tokens after `prompt` (text or token ids).
 
         temperature 0 is greedy. stop_token_ids=None stops at the model's end-of-sequence tokens;
-        pass [] to never stop early.
+        pass [] to never stop early. speculative=False decodes without the drafter for this call.
         """
         ids = self._ids(prompt)
         stops = self._stops(stop_token_ids)
         r = self._core.generate(ids, int(max_new_tokens), float(temperature), int(top_k), float(top_p), _seed(seed), stops,
-                                *_images(pixel_values, image_grid_thw))
+                                *_images(pixel_values, image_grid_thw), speculative=bool(speculative))
         tokens = list(r.token_ids)
         return GenerationResult(
             token_ids=tokens,
@@ -161,6 +178,7 @@ class Engine:
             prefill_seconds=r.prefill_seconds,
             decode_seconds=r.decode_seconds,
             stats=self.stats(),
+            acceptance_lengths=list(r.acceptance_lengths),
         )
 
     def stream(
@@ -174,26 +192,39 @@ class Engine:
         stop_token_ids: Sequence[int] | None = None,
         pixel_values: np.ndarray | None = None,
         image_grid_thw: np.ndarray | None = None,
+        speculative: bool = True,
     ) -> Iterator[int]:
-        """Yields new token ids one at a time (same arguments as generate)."""
+        """Yields new token ids one at a time (same arguments as generate); afterwards
+        `acceptance_lengths` holds the speculative steps' acceptance lengths."""
         ids = self._ids(prompt)
         stops = self._stops(stop_token_ids)
         self._core.start(ids, int(max_new_tokens), float(temperature), int(top_k), float(top_p), _seed(seed), stops,
-                         *_images(pixel_values, image_grid_thw))
+                         *_images(pixel_values, image_grid_thw), speculative=bool(speculative))
         for _ in range(int(max_new_tokens)):
             tok = int(self._core.next_token())
             yield tok
             if tok in stops:
                 return
 
+    @property
+    def acceptance_lengths(self) -> list[int]:
+        """The acceptance lengths of the current or last generation (see GenerationResult)."""
+        return list(self._core.acceptance_lengths)
+
+    def draft(self, prompt: Prompt, pixel_values: np.ndarray | None = None,
+              image_grid_thw: np.ndarray | None = None) -> list[int]:
+        """The drafter's greedy proposals for the first block after `prompt`: the B - 1 tokens it drafts
+        after the model's greedy first token (needs a drafter)."""
+        return list(self._core.draft(self._ids(prompt), *_images(pixel_values, image_grid_thw)))
+
     @overload
     def chat(self, messages: Sequence[Mapping[str, Any]], max_new_tokens: int = ..., temperature: float = ...,
              top_k: int = ..., top_p: float = ..., seed: int = ..., stop_token_ids: Sequence[int] | None = ...,
-             *, stream: Literal[False] = ..., **prompt_kwargs: Any) -> GenerationResult: ...
+             *, stream: Literal[False] = ..., speculative: bool = ..., **prompt_kwargs: Any) -> GenerationResult: ...
     @overload
     def chat(self, messages: Sequence[Mapping[str, Any]], max_new_tokens: int = ..., temperature: float = ...,
              top_k: int = ..., top_p: float = ..., seed: int = ..., stop_token_ids: Sequence[int] | None = ...,
-             *, stream: Literal[True], **prompt_kwargs: Any) -> Iterator[int]: ...
+             *, stream: Literal[True], speculative: bool = ..., **prompt_kwargs: Any) -> Iterator[int]: ...
 
     def chat(
         self,
@@ -206,6 +237,7 @@ class Engine:
         stop_token_ids: Sequence[int] | None = None,
         *,
         stream: bool = False,
+        speculative: bool = True,
         **prompt_kwargs: Any,
     ) -> GenerationResult | Iterator[int]:
         """Answers a conversation: `messages` rendered with the model's chat template (generation prompt
@@ -218,7 +250,7 @@ class Engine:
         from .chat import build_multimodal_prompt
 
         ids, pixel_values, grid = build_multimodal_prompt(self, messages, **prompt_kwargs)
-        args = (ids, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, pixel_values, grid)
+        args = (ids, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, pixel_values, grid, speculative)
         return self.stream(*args) if stream else self.generate(*args)
 
     def _stops(self, stop_token_ids: Sequence[int] | None) -> list[int]:

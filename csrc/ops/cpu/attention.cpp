@@ -6,16 +6,18 @@ namespace ocria_rt {
 
 namespace {
 
-// Zero-centred RMSNorm of one head, in place: x * rsqrt(mean(x^2) + eps) * (1 + w).
-void head_norm(float* x, const float* w, int64_t n, float eps) {
-  rms_normalise(x, x, n, eps, [&](int64_t i) { return 1.0f + w[i]; });
-}
-
 // Which of the (t, h, w) positions frequency j follows under interleaved M-RoPE (see ops.h).
 int mrope_axis(int64_t j, const int32_t* section) {
   if (j % 3 == 1 && j < 3 * section[1]) return 1;
   if (j % 3 == 2 && j < 3 * section[2]) return 2;
   return 0;
+}
+
+}  // namespace
+
+// Zero-centred RMSNorm of one head, in place: x * rsqrt(mean(x^2) + eps) * (1 + w).
+void head_norm(float* x, const float* w, int64_t n, float eps) {
+  rms_normalise(x, x, n, eps, [&](int64_t i) { return 1.0f + w[i]; });
 }
 
 // Rotate-half RoPE on the first `rot` dims: pairs (i, i + rot/2) turn by angle pos * theta^(-2i/rot).
@@ -31,8 +33,6 @@ void apply_rope(float* x, const AttentionParams& p, const int32_t* pos3) {
     x[i + half] = b * c + a * s;
   }
 }
-
-}  // namespace
 
 void CpuBackend::attention_prepare(const Tensor& qkv, const Tensor& q_norm, const Tensor& k_norm,
                                    const Tensor& positions, const Tensor& rope_positions, const AttentionParams& p,

@@ -3,6 +3,7 @@
 // declares the class, backend.cpp holds memory management and the thread setting.
 #pragma once
 #include <cmath>
+#include <vector>
 
 #include "ops/ops.h"
 
@@ -54,6 +55,26 @@ class CpuBackend final : public Backend {
   }
   void copy(const Tensor& dst, const Tensor& src) override;
 
+  // speculative decoding (speculative.cpp: verification; dflash.cpp: the drafter)
+  void gdn_verify(const Tensor& proj, const Tensor& conv_weight, const Tensor& conv_state, const Tensor& A_log,
+                  const Tensor& dt_bias, const Tensor& norm_weight, const Tensor& state, const GdnParams& p,
+                  const Tensor& conv_out, const Tensor& o, const Tensor& out, const GdnReplay& replay) override;
+  void gdn_commit(const GdnReplay& replay, const Tensor& keep, const GdnParams& p, const Tensor& conv_state,
+                  const Tensor& state) override;
+  void speculative_accept(const Tensor& logits, const Tensor& draft, const Tensor& cand, const Tensor& cand_prob,
+                          const SamplerConfig& config, const Tensor& step, const Tensor& out,
+                          const Tensor& count) override;
+  void draft_store_kv(const Tensor& kv, const Tensor& k_norm, const Tensor& positions, const AttentionParams& p,
+                      const Tensor& k_cache, const Tensor& v_cache) override;
+  void draft_attention(const Tensor& q, const Tensor& q_norm, const Tensor& positions, const Tensor& k_cache,
+                       const Tensor& v_cache, const AttentionParams& p, const DraftMask& mask,
+                       const Tensor& out) override;
+  void dynamic_conv(const Tensor& x, const Tensor& dyn, const Tensor& base, int64_t group, const Tensor& out) override;
+  void scale_softcap(const Tensor& x, float multiplier, float softcap) override;
+  void selector_walk(const Tensor& logits, const Tensor& h, const Tensor& pred, const Tensor& succ,
+                     const Tensor& anchor, float temperature, uint64_t seed, const Tensor& step, const Tensor& tokens,
+                     const Tensor& cand, const Tensor& cand_prob) override;
+
  private:
   int threads_;
 };
@@ -73,6 +94,27 @@ void rms_normalise(const float* x, float* y, int64_t n, float eps, Scale scale) 
   const float inv = 1.0f / std::sqrt(float(ss / double(n)) + eps);
   for (int64_t i = 0; i < n; ++i) y[i] = x[i] * inv * scale(i);
 }
+
+// The sampler's view of one row of logits at temperature > 0 (sampling.cpp): softmax(logits / T) in
+// `prob`, the tokens sample() may draw in `order[0 : kept]` (descending probability, ties by lower id;
+// top-k, then top-p) with their total `prob` in `mass`, and `p`, the distribution draw() follows
+// (prob / mass on the kept tokens, 0 elsewhere).
+struct SamplerDistribution {
+  std::vector<float> prob;
+  std::vector<int32_t> order;
+  int64_t kept = 0;
+  double mass = 0;
+  std::vector<double> p;
+
+  int32_t draw(float u) const;  // the token sample() draws for the uniform u
+};
+SamplerDistribution sampler_distribution(const float* logits, int64_t V, const SamplerConfig& cfg);
+int32_t argmax_row(const float* logits, int64_t V);  // the first maximum, as sample() at temperature 0
+
+// attention.cpp: the zero-centred RMSNorm of one head in place, and rotate-half RoPE of its first
+// p.rotary_dim dims at the (t, h, w) position pos3.
+void head_norm(float* x, const float* w, int64_t n, float eps);
+void apply_rope(float* x, const AttentionParams& p, const int32_t* pos3);
 
 inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }

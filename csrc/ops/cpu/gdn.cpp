@@ -41,6 +41,41 @@ struct HeadInputs {
   }
 };
 
+// The recurrence of value head h over in.T tokens from the state S [dk, dv] (updated in place), its
+// outputs into out. With `replay`, each token's normalised key (written by the first value head of
+// its key head), log decay and corrected update are recorded, as gdn_commit replays them.
+void recurrent_head(const HeadInputs& in, float* S, int64_t h, const GdnParams& p, const Tensor& out,
+                    const GdnReplay* replay) {
+  const int64_t dk = in.dk, dv = in.dv, group = p.num_v_heads / p.num_k_heads;
+  std::vector<float> u(dv);
+  for (int64_t t = 0; t < in.T; ++t) {
+    const float* k = &in.k[t * dk];
+    const float* q = &in.q[t * dk];
+    const float decay = std::exp(in.g[t]);
+    for (int64_t i = 0; i < dk * dv; ++i) S[i] *= decay;
+    // u = beta * (v - S^T k)
+    for (int64_t j = 0; j < dv; ++j) {
+      float s = 0;
+      for (int64_t i = 0; i < dk; ++i) s += S[i * dv + j] * k[i];
+      u[j] = in.beta[t] * (in.v[t * dv + j] - s);
+    }
+    // S += k u^T ; o = S^T q
+    float* o = row_f32(out, t) + h * dv;
+    for (int64_t j = 0; j < dv; ++j) o[j] = 0;
+    for (int64_t i = 0; i < dk; ++i) {
+      for (int64_t j = 0; j < dv; ++j) {
+        S[i * dv + j] += k[i] * u[j];
+        o[j] += S[i * dv + j] * q[i];
+      }
+    }
+    if (replay) {
+      if (h % group == 0) std::copy(k, k + dk, row_f32(replay->k, t) + (h / group) * dk);
+      row_f32(replay->g, t)[h] = in.g[t];
+      std::copy(u.begin(), u.end(), row_f32(replay->u, t) + h * dv);
+    }
+  }
+}
+
 }  // namespace
 
 void CpuBackend::gdn_recurrent(const Tensor& qkv, const Tensor& ba, const Tensor& A_log, const Tensor& dt_bias,
@@ -49,28 +84,59 @@ void CpuBackend::gdn_recurrent(const Tensor& qkv, const Tensor& ba, const Tensor
 #pragma omp parallel for num_threads(threads_)
   for (int64_t h = 0; h < HV; ++h) {
     HeadInputs in(qkv, ba, A_log.ptr<const float>(), dt_bias.ptr<const float>(), p, h);
+    recurrent_head(in, state.ptr<float>() + h * dk * dv, h, p, out, nullptr);
+  }
+}
+
+// gdn_decode's three ops on copies of the states, the recurrence recording its replay; the same
+// arithmetic as gdn_decode, so gdn_commit leaves the states gdn_decode would have left, bit for bit.
+void CpuBackend::gdn_verify(const Tensor& proj, const Tensor& conv_weight, const Tensor& conv_state, const Tensor& A_log,
+                            const Tensor& dt_bias, const Tensor& norm_weight, const Tensor& state, const GdnParams& p,
+                            const Tensor& conv_out, const Tensor& o, const Tensor& out, const GdnReplay& replay) {
+  const int64_t T = proj.dim(0), C = p.conv_dim(), vdim = p.num_v_heads * p.v_head_dim, HV = p.num_v_heads;
+  const int64_t dk = p.k_head_dim, dv = p.v_head_dim;
+  if (T > replay.u.dim(0))
+    throw Error(ErrorCode::kInternal, "gdn_verify: " + std::to_string(T) + " tokens, replay rows for " +
+                                          std::to_string(replay.u.dim(0)));
+  copy(replay.conv_in.rows(0, T), proj.cols(0, C));
+  std::vector<float> conv_copy(size_t(conv_state.numel()));
+  std::copy(conv_state.ptr<const float>(), conv_state.ptr<const float>() + conv_state.numel(), conv_copy.data());
+  gdn_conv(proj.cols(0, C), conv_weight, Tensor(conv_copy.data(), DType::F32, DeviceKind::CPU, {C, p.conv_kernel - 1}),
+           conv_out);
+  const Tensor ba = proj.cols(C + vdim, 2 * HV);
+#pragma omp parallel for num_threads(threads_)
+  for (int64_t h = 0; h < HV; ++h) {
+    HeadInputs in(conv_out, ba, A_log.ptr<const float>(), dt_bias.ptr<const float>(), p, h);
+    std::vector<float> S(state.ptr<const float>() + h * dk * dv, state.ptr<const float>() + (h + 1) * dk * dv);
+    recurrent_head(in, S.data(), h, p, o, &replay);
+  }
+  gdn_gated_norm(o, proj.cols(C, vdim), norm_weight, p, out);
+}
+
+void CpuBackend::gdn_commit(const GdnReplay& replay, const Tensor& keep, const GdnParams& p, const Tensor& conv_state,
+                            const Tensor& state) {
+  const int64_t n = ids_i32(keep)[0], C = p.conv_dim(), K1 = p.conv_kernel - 1;
+  const int64_t HK = p.num_k_heads, HV = p.num_v_heads, dk = p.k_head_dim, dv = p.v_head_dim, group = HV / HK;
+  if (n < 1 || n > replay.u.dim(0))
+    throw Error(ErrorCode::kInternal, "gdn_commit: keep " + std::to_string(n) + " outside 1.." + std::to_string(replay.u.dim(0)));
+  // conv_state <- the last K-1 rows of [conv_state ; conv_in[0 : n]], per channel
+  float* cs = conv_state.ptr<float>();
+  for (int64_t c = 0; c < C; ++c) {
+    std::vector<float> in(K1 + n);
+    for (int64_t j = 0; j < K1; ++j) in[j] = cs[c * K1 + j];
+    for (int64_t t = 0; t < n; ++t) in[K1 + t] = row_f32(replay.conv_in, t)[c];
+    for (int64_t j = 0; j < K1; ++j) cs[c * K1 + j] = in[n + j];
+  }
+#pragma omp parallel for num_threads(threads_)
+  for (int64_t h = 0; h < HV; ++h) {
     float* S = state.ptr<float>() + h * dk * dv;
-    std::vector<float> u(dv);
-    for (int64_t t = 0; t < in.T; ++t) {
-      const float* k = &in.k[t * dk];
-      const float* q = &in.q[t * dk];
-      const float decay = std::exp(in.g[t]);
+    for (int64_t t = 0; t < n; ++t) {
+      const float* k = row_f32(replay.k, t) + (h / group) * dk;
+      const float* u = row_f32(replay.u, t) + h * dv;
+      const float decay = std::exp(row_f32(replay.g, t)[h]);
       for (int64_t i = 0; i < dk * dv; ++i) S[i] *= decay;
-      // u = beta * (v - S^T k)
-      for (int64_t j = 0; j < dv; ++j) {
-        float s = 0;
-        for (int64_t i = 0; i < dk; ++i) s += S[i * dv + j] * k[i];
-        u[j] = in.beta[t] * (in.v[t * dv + j] - s);
-      }
-      // S += k u^T ; o = S^T q
-      float* o = row_f32(out, t) + h * dv;
-      for (int64_t j = 0; j < dv; ++j) o[j] = 0;
-      for (int64_t i = 0; i < dk; ++i) {
-        for (int64_t j = 0; j < dv; ++j) {
-          S[i * dv + j] += k[i] * u[j];
-          o[j] += S[i * dv + j] * q[i];
-        }
-      }
+      for (int64_t i = 0; i < dk; ++i)
+        for (int64_t j = 0; j < dv; ++j) S[i * dv + j] += k[i] * u[j];
     }
   }
 }
