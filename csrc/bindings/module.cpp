@@ -70,6 +70,27 @@ py::dict config_to_dict(const ModelConfig& c) {
   d["tie_word_embeddings"] = c.tie_word_embeddings;
   d["max_position_embeddings"] = c.max_position_embeddings;
   d["eos_token_ids"] = c.eos_token_ids;
+  d["rms_norm_eps"] = c.rms_norm_eps;
+  d["mrope_section"] = c.mrope_section;
+  if (c.has_vision) {
+    d["image_token_id"] = c.image_token_id;
+    d["vision_start_token_id"] = c.vision_start_token_id;
+    d["vision_end_token_id"] = c.vision_end_token_id;
+    const VisionConfig& v = c.vision;
+    py::dict vd;
+    vd["depth"] = v.depth;
+    vd["hidden_size"] = v.hidden_size;
+    vd["num_heads"] = v.num_heads;
+    vd["intermediate_size"] = v.intermediate_size;
+    vd["in_channels"] = v.in_channels;
+    vd["patch_size"] = v.patch_size;
+    vd["temporal_patch_size"] = v.temporal_patch_size;
+    vd["spatial_merge_size"] = v.spatial_merge_size;
+    vd["out_hidden_size"] = v.out_hidden_size;
+    vd["num_position_embeddings"] = v.num_position_embeddings;
+    vd["rope_theta"] = v.rope_theta;
+    d["vision"] = vd;
+  }
   return d;
 }
 

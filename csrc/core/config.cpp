@@ -25,10 +25,10 @@ const IntRange kDim = IntRange::between(1, kMaxDim);
 const IntRange kSmallDim = IntRange::between(1, kMaxSmallDim);
 
 // RMSNorm's epsilon is added in float32: it must stay positive and finite there.
-const NumRange kEps = NumRange::between(FLT_MIN, FLT_MAX);
+const NumRange kEps = NumRange::between(FLT_MIN, FLT_MAX, "a positive number in the normal float32 range (1.2e-38 to 3.4e38)");
 // RoPE frequencies are theta^(-2i/d): theta >= 1 keeps them in (0, 1] (below 1 they grow with i, which
 // no model is trained with, and overflow float32 at long positions).
-const NumRange kTheta = NumRange::between(1.0, FLT_MAX);
+const NumRange kTheta = NumRange::between(1.0, FLT_MAX, "a number in [1, 3.4e38] (finite in float32)");
 
 // A token id or a list of them (eos_token_id), each inside the vocabulary.
 std::vector<int32_t> token_ids(const Field& f, int64_t vocab_size) {

@@ -363,6 +363,7 @@ bool NumRange::contains(double v) const {
 }
 
 std::string NumRange::str() const {
+  if (!label.empty()) return label;
   constexpr double kMax = std::numeric_limits<double>::max();
   const bool no_min = min == -kMax && !min_open, no_max = max == kMax && !max_open;
   if (no_min && no_max) return "a finite number";
@@ -391,7 +392,7 @@ Field Field::operator[](size_t index) const {
 }
 
 void Field::fail(const std::string& what) const {
-  throw Error(code_, *source_ + ": " + (path_.empty() ? std::string("the document") : "key " + quote(path_)) + " " + what);
+  throw Error(code_, *source_ + (path_.empty() ? std::string(" ") : ": key " + quote(path_) + " ") + what);
 }
 
 void Field::expected(const std::string& expectation) const {
@@ -434,7 +435,7 @@ size_t Field::size() const {
 }
 
 std::vector<int64_t> Field::integers(IntRange range) const {
-  if (!present() || !value_->is_array()) expected("an array of " + range.str() + "s");
+  if (!present() || !value_->is_array()) expected("an array (each element " + range.str() + ")");
   std::vector<int64_t> out;
   for (size_t i = 0; i < value_->as_array().size(); ++i) out.push_back((*this)[i].integer(range));
   return out;

@@ -78,11 +78,12 @@ struct NumRange {
   double min = -std::numeric_limits<double>::max();
   double max = std::numeric_limits<double>::max();
   bool min_open = false, max_open = false;
+  std::string label;  // what str() says, when set (for ranges whose ends are not round numbers)
 
   static NumRange finite() { return {}; }
-  static NumRange positive() { return {0.0, std::numeric_limits<double>::max(), true, false}; }
-  static NumRange between(double lo, double hi) { return {lo, hi, false, false}; }  // [lo, hi]
-  static NumRange above_until(double lo, double hi) { return {lo, hi, true, false}; }  // (lo, hi]
+  static NumRange positive() { return {0.0, std::numeric_limits<double>::max(), true, false, {}}; }
+  static NumRange between(double lo, double hi, std::string label = {}) { return {lo, hi, false, false, label}; }  // [lo, hi]
+  static NumRange above_until(double lo, double hi) { return {lo, hi, true, false, {}}; }  // (lo, hi]
   bool contains(double v) const;
   std::string str() const;  // "a finite number", "a number > 0", "a number in (0, 1]"
 };
@@ -110,7 +111,8 @@ class Field {
   const Value* value() const { return present() ? value_ : nullptr; }
   const std::string& path() const { return path_; }
 
-  // Throws Error(code): "<source>: key '<path>' <what>". Use for checks that involve several keys.
+  // Throws Error(code): "<source>: key '<path>' <what>" ("<source> <what>" at the root). Use for
+  // checks that involve several keys.
   [[noreturn]] void fail(const std::string& what) const;
   // "<source>: key '<path>' must be <expectation>, got <value>" (or "is missing (expected ...)").
   [[noreturn]] void expected(const std::string& expectation) const;
