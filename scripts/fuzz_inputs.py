@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import math
 import os
 import random
 import re
@@ -86,7 +85,8 @@ def _write_pdf(path: Path, objects: list[bytes]) -> None:
 def _text_pdf(path: Path) -> None:
     """Two pages of text in a compressed content stream, with the standard Helvetica font."""
     pages = []
-    objects: list[bytes] = [b"<< /Type /Catalog /Pages 2 0 R >>", b"", b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>"]
+    objects: list[bytes] = [b"<< /Type /Catalog /Pages 2 0 R >>", b"",  # the page tree, filled in below
+                            b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>"]
     for text in (b"Invoice 42: total 17.50 EUR", b"| a | b |\n| 1 | 2 |"):
         content = zlib.compress(b"BT /F1 14 Tf 12 60 Td (" + text + b") Tj ET 0 0 1 rg 10 10 80 20 re f")
         objects.append(b"<< /Length %d /Filter /FlateDecode >>\nstream\n" % len(content) + content + b"\nendstream")
@@ -228,7 +228,8 @@ def _short(v: Any) -> str:
 
 def dump_json(rng: random.Random, doc: Any) -> bytes:
     # surrogatepass: a lone surrogate becomes bytes that are not UTF-8, as a broken writer would leave them
-    return json.dumps(doc, indent=rng.choice([None, 2]), ensure_ascii=rng.random() < 0.5).encode("utf-8", "surrogatepass")
+    text = json.dumps(doc, indent=rng.choice([None, 2]), ensure_ascii=rng.random() < 0.5)
+    return text.encode("utf-8", "surrogatepass")
 
 
 def flip_bytes(rng: random.Random, data: bytes, lo: int = 0, hi: int | None = None) -> tuple[bytes, str]:
@@ -279,7 +280,8 @@ def mutate_png(rng: random.Random, data: bytes) -> tuple[bytes, str]:
     if ctype == b"IHDR":
         field_, off, fmt = rng.choice([("width", 0, ">I"), ("height", 4, ">I"), ("bit depth", 8, ">B"),
                                        ("colour type", 9, ">B"), ("interlace", 12, ">B")])
-        v = rng.choice([0, 1, 2, 3, 4, 6, 7, 8, 16, 255] if fmt == ">B" else [0, 1, 65535, 100000, 2**31 - 1, 2**32 - 1])
+        v = rng.choice([0, 1, 2, 3, 4, 6, 7, 8, 16, 255] if fmt == ">B"
+                       else [0, 1, 65535, 100000, 2**31 - 1, 2**32 - 1])
         struct.pack_into(fmt, body, off, v)
         what = f"IHDR {field_} = {v}"
     elif body:
@@ -344,14 +346,16 @@ def mutate_pdf(rng: random.Random, data: bytes) -> tuple[bytes, str]:
             m = rng.choice(found)
             v = rng.choice([b"0", b"-1", b"1", b"3.5", b"999999999", b"2147483648", b"-2147483649", b"1e30",
                             b"99999999999999999999", b"NaN", b"00", b"-0"])
-            return data[:m.start()] + v + data[m.end():], f"number {m.group().decode()} at byte {m.start()} -> {v.decode()}"
+            what = f"number {m.group().decode()} at byte {m.start()} -> {v.decode()}"
+            return data[:m.start()] + v + data[m.end():], what
     if op == "word":
         word = rng.choice(_PDF_WORDS)
         found = [m.start() for m in re.finditer(re.escape(word), data)]
         if found:
             at = rng.choice(found)
             new = rng.choice([b"", b"/Foo", rng.choice(_PDF_WORDS), word + word])
-            return data[:at] + new + data[at + len(word):], f"{word.decode()} at byte {at} -> {new.decode() or 'nothing'}"
+            what = f"{word.decode()} at byte {at} -> {new.decode() or 'nothing'}"
+            return data[:at] + new + data[at + len(word):], what
     if op == "flip":
         return flip_bytes(rng, data)
     return splice_bytes(rng, data)
@@ -504,10 +508,26 @@ def case_pdf(rng, bases, out):
 
 @dataclass(frozen=True)
 class Kind:
-    make: Callable[[random.Random, Path, Path], Prepared]
+    make: Callable[[random.Random, Path, Path], Prepared] | None  # (rng, bases, case directory) -> the case
     weight: float  # share of --cases
     isolate: bool  # each case in a process of its own (it reaches a native parser of raw bytes)
 
+
+# The runner's own check: cases that end each way a case can end, in the worker itself and forked.
+PROBE_BEHAVIOURS = ["ok", "error", "foreign", "internal", "nan", "crash", "ok", "hang", "ok"]
+
+
+PROBE_KINDS: dict[str, Kind] = {
+    "probe_inline": Kind(None, 0, False),  # case i behaves as PROBE_BEHAVIOURS[i]
+    "probe_forked": Kind(None, 0, True),
+}
+
+
+def _prepare(kind: str, seed: int, index: int, bases: Path, out: Path) -> Prepared:
+    if kind in PROBE_KINDS:
+        behaviour = PROBE_BEHAVIOURS[index % len(PROBE_BEHAVIOURS)]
+        return Prepared(f"probe: {behaviour}", "probe:" + behaviour, out)
+    return KINDS[kind].make(random.Random(f"{seed}/{kind}/{index}"), bases, out)
 
 KINDS: dict[str, Kind] = {
     "config": Kind(case_config, 3, False),
@@ -519,6 +539,7 @@ KINDS: dict[str, Kind] = {
     "image": Kind(case_image, 2, True),
     "pdf": Kind(case_pdf, 2, True),
 }
+ALL_KINDS = {**KINDS, **PROBE_KINDS}
 
 
 # --------------------------------------------------------------------------- #
@@ -545,10 +566,25 @@ def _check_finite(logits: Any, what: str) -> None:
 
 
 def run_scenario(p: Prepared, bases: Path) -> None:
+    import numpy as np
     import ocria_rt
     from ocria_rt.chat import build_multimodal_prompt
 
-    if p.scenario == "text":
+    if p.scenario.startswith("probe:"):
+        behaviour = p.scenario.split(":")[1]
+        if behaviour == "error":
+            raise ocria_rt.FileError("probe")
+        if behaviour == "foreign":
+            raise KeyError("probe")
+        if behaviour == "internal":
+            raise ocria_rt.InternalError("probe")
+        if behaviour == "nan":
+            _check_finite(np.array([1.0, np.nan]), "probe")
+        if behaviour == "crash":
+            os.abort()
+        if behaviour == "hang":
+            time.sleep(3600)
+    elif p.scenario == "text":
         eng = ocria_rt.Engine(p.target, num_threads=1)
         ids = [1, 2, 3, 4, 5, 6, 7, 8]
         _check_finite(eng.score(ids), "score")
@@ -567,7 +603,8 @@ def run_scenario(p: Prepared, bases: Path) -> None:
         for page in doc.pages:
             if page.error_type is not None:
                 cls = getattr(ocria_rt.errors, page.error_type, None)
-                if not (isinstance(cls, type) and issubclass(cls, ocria_rt.OcriaError)) or cls is ocria_rt.InternalError:
+                ours = isinstance(cls, type) and issubclass(cls, ocria_rt.OcriaError)
+                if not ours or cls is ocria_rt.InternalError:
                     raise RuntimeError(f"page {page.page_number} failed with {page.error_type}: {page.error}")
 
 
@@ -602,19 +639,18 @@ def describe_case(kind: str, seed: int, index: int, bases: Path, work: Path) -> 
     """The mutation of a case, built again (for a case whose process died before it could report)."""
     out = Path(tempfile.mkdtemp(prefix=f"{kind}-{index}-", dir=work))
     try:
-        return KINDS[kind].make(random.Random(f"{seed}/{kind}/{index}"), bases, out).what
+        return _prepare(kind, seed, index, bases, out).what
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
 
 def run_case(kind: str, seed: int, index: int, bases: Path, work: Path, verbose: bool = False) -> dict[str, Any]:
     """Builds and runs one case in this process; its result record."""
-    rng = random.Random(f"{seed}/{kind}/{index}")
     out = Path(tempfile.mkdtemp(prefix=f"{kind}-{index}-", dir=work))
     what = "?"
     t0 = time.perf_counter()
     try:
-        prepared = KINDS[kind].make(rng, bases, out)
+        prepared = _prepare(kind, seed, index, bases, out)
         what = prepared.what
         if verbose:
             print(f"{kind} seed {seed} case {index}: {what}", flush=True)
@@ -687,7 +723,7 @@ def worker_main(memory_limit_mb: int) -> None:
 
     bases, work = Path(job["bases"]), Path(job["work"])
     for kind, seed, index in job["cases"]:
-        if KINDS[kind].isolate:
+        if ALL_KINDS[kind].isolate:
             if kind in ("image", "pdf"):
                 parse_engine(bases)
             rec = _run_forked(kind, seed, index, bases, work, job["timeout"])
@@ -731,7 +767,7 @@ class Report:
         lines = [f"{'kind':<13}" + "".join(f"{c:>9}" for c in ("cases",) + cols)]
         counts = self.counts()
         total: collections.Counter = collections.Counter()
-        for kind in KINDS:
+        for kind in ALL_KINDS:
             if kind in counts:
                 c = counts[kind]
                 total.update(c)
@@ -759,7 +795,10 @@ def plan(cases: int, seed: int, kinds: list[str] | None = None) -> list[tuple[st
 
 
 def run_fuzz(cases: list[tuple[str, int, int]], jobs: int = 2, timeout: float = 30.0, batch: int = 64,
-             memory_limit_mb: int = 4096, progress: Callable[[int, int], None] | None = None) -> Report:
+             memory_limit_mb: int = 4096, startup_s: float = 60.0,
+             progress: Callable[[int, int], None] | None = None) -> Report:
+    """Runs the cases in up to `jobs` worker processes of `batch` cases each; `timeout` seconds per case
+    (a worker's first case gets `startup_s` more)."""
     report = Report()
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="ocria-fuzz-") as tmp:
@@ -773,8 +812,9 @@ def run_fuzz(cases: list[tuple[str, int, int]], jobs: int = 2, timeout: float = 
         for kind_cases in by_kind.values():
             for i in range(0, len(kind_cases), batch):
                 pending.append(kind_cases[i:i + batch])
-        # a batch's case may wait on the worker's start-up and a fork: the runner's own deadline is later
-        grace = timeout * 1.5 + 10
+        # A case may wait on a fork and the worker's own timeout: the runner's deadline is later, and
+        # the first case of a worker also waits on its start-up (imports, a model for parse).
+        per_case = timeout * 1.5 + 2
         sel = selectors.DefaultSelector()
         running: list[_Worker] = []
         spawned = 0
@@ -790,7 +830,7 @@ def run_fuzz(cases: list[tuple[str, int, int]], jobs: int = 2, timeout: float = 
             proc.stdin.write(json.dumps({"bases": str(root / "bases"), "work": str(root / "work"), "timeout": timeout,
                                          "cases": batch_cases}).encode())
             proc.stdin.close()
-            w = _Worker(proc, batch_cases, err, deadline=time.monotonic() + grace)
+            w = _Worker(proc, batch_cases, err, deadline=time.monotonic() + startup_s + per_case)
             os.set_blocking(proc.stdout.fileno(), False)
             sel.register(proc.stdout, selectors.EVENT_READ, w)
             running.append(w)
@@ -835,13 +875,13 @@ def run_fuzz(cases: list[tuple[str, int, int]], jobs: int = 2, timeout: float = 
                 for line in lines:
                     report.results.append(json.loads(line))
                     w.done += 1
-                    w.deadline = time.monotonic() + grace
+                    w.deadline = time.monotonic() + per_case
                     if progress:
                         progress(len(report.results), len(cases))
             now = time.monotonic()
             for w in list(running):
                 if now > w.deadline:
-                    finish(w, "hang", f"no result after {grace:.0f} s")
+                    finish(w, "hang", f"no result after {per_case:.0f} s")
     report.wall_s = time.monotonic() - t0
     return report
 

@@ -25,7 +25,8 @@ const IntRange kDim = IntRange::between(1, kMaxDim);
 const IntRange kSmallDim = IntRange::between(1, kMaxSmallDim);
 
 // RMSNorm's epsilon is added in float32: it must stay positive and finite there.
-const NumRange kEps = NumRange::between(FLT_MIN, FLT_MAX, "a positive number in the normal float32 range (1.2e-38 to 3.4e38)");
+const NumRange kEps =
+    NumRange::between(FLT_MIN, FLT_MAX, "a positive number in the normal float32 range (1.2e-38 to 3.4e38)");
 // RoPE frequencies are theta^(-2i/d): theta >= 1 keeps them in (0, 1] (below 1 they grow with i, which
 // no model is trained with, and overflow float32 at long positions).
 const NumRange kTheta = NumRange::between(1.0, FLT_MAX, "a number in [1, 3.4e38] (finite in float32)");
@@ -38,7 +39,8 @@ std::vector<int32_t> token_ids(const Field& f, int64_t vocab_size) {
   if (f.value()->is_array()) {
     for (int64_t id : f.integers(in_vocab)) ids.push_back(int32_t(id));
   } else {
-    if (!f.value()->is_number()) f.expected("a token id or a list of token ids in [0, " + std::to_string(vocab_size - 1) + "]");
+    if (!f.value()->is_number())
+      f.expected("a token id or a list of token ids in [0, " + std::to_string(vocab_size - 1) + "]");
     ids.push_back(int32_t(f.integer(in_vocab)));
   }
   return ids;
@@ -124,15 +126,17 @@ ModelConfig load_model_config(const std::string& model_dir) {
                                                                  : text["tie_word_embeddings"].boolean_or(false);
 
   if (c.num_attention_heads % c.num_key_value_heads != 0)
-    text["num_attention_heads"].fail("must be a multiple of num_key_value_heads (" + std::to_string(c.num_key_value_heads) +
-                                     "), got " + std::to_string(c.num_attention_heads));
+    text["num_attention_heads"].fail("must be a multiple of num_key_value_heads (" +
+                                     std::to_string(c.num_key_value_heads) + "), got " +
+                                     std::to_string(c.num_attention_heads));
   if (c.linear_num_value_heads % c.linear_num_key_heads != 0)
     text["linear_num_value_heads"].fail("must be a multiple of linear_num_key_heads (" +
                                         std::to_string(c.linear_num_key_heads) + "), got " +
                                         std::to_string(c.linear_num_value_heads));
   const std::string act = text["hidden_act"].string_or("silu");
   if (act != "silu") text["hidden_act"].fail("is " + json::quote(act) + "; only 'silu' is supported");
-  if (text["attention_bias"].boolean_or(false)) text["attention_bias"].fail("is true; attention biases are not supported");
+  if (text["attention_bias"].boolean_or(false))
+    text["attention_bias"].fail("is true; attention biases are not supported");
 
   // layer_types, or the default pattern: every full_attention_interval-th layer is full attention.
   if (const Field lt = text["layer_types"]; lt.present()) {
@@ -176,7 +180,8 @@ ModelConfig load_model_config(const std::string& model_dir) {
   if (c.has_vision) read_vision_config(root, c);
 
   c.eos_token_ids = token_ids(text["eos_token_id"], c.vocab_size);
-  if (c.eos_token_ids.empty() && text.path() != root.path()) c.eos_token_ids = token_ids(root["eos_token_id"], c.vocab_size);
+  if (c.eos_token_ids.empty() && text.path() != root.path())
+    c.eos_token_ids = token_ids(root["eos_token_id"], c.vocab_size);
   return c;
 }
 

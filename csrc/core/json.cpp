@@ -285,7 +285,8 @@ Value parse_file(const std::string& path) {
   if (std::filesystem::is_directory(path, ec))
     throw Error(ErrorCode::kFileError, "cannot read " + quote(path, std::string::npos) + ": it is a directory");
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(ErrorCode::kFileError, "cannot read " + quote(path, std::string::npos) + ": " + std::strerror(errno));
+  if (!in)
+    throw Error(ErrorCode::kFileError, "cannot read " + quote(path, std::string::npos) + ": " + std::strerror(errno));
   std::stringstream ss;
   ss << in.rdbuf();
   if (in.bad()) throw Error(ErrorCode::kFileError, "cannot read " + quote(path, std::string::npos));
@@ -387,7 +388,8 @@ Field Field::operator[](size_t index) const {
   const std::string path = path_ + "[" + std::to_string(index) + "]";
   if (!present() || !value_->is_array()) expected("an array");
   const std::vector<Value>& items = value_->as_array();
-  if (index >= items.size()) fail("has " + std::to_string(items.size()) + " elements; element " + std::to_string(index) + " is missing");
+  if (index >= items.size())
+    fail("has " + std::to_string(items.size()) + " elements; element " + std::to_string(index) + " is missing");
   return Field(&items[index], source_, code_, path);
 }
 
@@ -409,7 +411,8 @@ int64_t Field::integer(IntRange range) const {
   constexpr double kExact = 9007199254740992.0;  // 2^53: larger doubles are not all integers
   if (present() && value_->is_number()) {
     const double d = value_->as_number();
-    if (std::isfinite(d) && d == std::floor(d) && std::fabs(d) <= kExact && range.contains(int64_t(d))) return int64_t(d);
+    if (std::isfinite(d) && d == std::floor(d) && std::fabs(d) <= kExact && range.contains(int64_t(d)))
+      return int64_t(d);
   }
   expected(range.str());
 }

@@ -82,7 +82,9 @@ struct NumRange {
 
   static NumRange finite() { return {}; }
   static NumRange positive() { return {0.0, std::numeric_limits<double>::max(), true, false, {}}; }
-  static NumRange between(double lo, double hi, std::string label = {}) { return {lo, hi, false, false, label}; }  // [lo, hi]
+  static NumRange between(double lo, double hi, std::string label = {}) {  // [lo, hi]
+    return {lo, hi, false, false, std::move(label)};
+  }
   static NumRange above_until(double lo, double hi) { return {lo, hi, true, false, {}}; }  // (lo, hi]
   bool contains(double v) const;
   std::string str() const;  // "a finite number", "a number > 0", "a number in (0, 1]"

@@ -121,7 +121,8 @@ void Checkpoint::add_file(const std::string& path) {
     const std::string range_str = "[" + std::to_string(begin) + ", " + std::to_string(end) + "]";
     if (end < begin) offsets.fail("ends before it begins: " + range_str);
     if (uint64_t(end) > data_size)
-      offsets.fail(range_str + " reaches past the " + std::to_string(data_size) + " data bytes of the file (truncated?)");
+      offsets.fail(range_str + " reaches past the " + std::to_string(data_size) +
+                   " data bytes of the file (truncated?)");
     // The element count, with overflow caught: a huge shape must not wrap around to the byte count.
     uint64_t nbytes = elem;
     for (int64_t d : rec.shape) {
@@ -129,7 +130,8 @@ void Checkpoint::add_file(const std::string& path) {
     }
     if (uint64_t(end - begin) != nbytes)
       offsets.fail("holds " + std::to_string(end - begin) + " bytes but shape " + rec.shape_str() + " of " +
-                   rec.dtype_str + " needs " + (nbytes == UINT64_MAX ? std::string("more than 2^64") : std::to_string(nbytes)));
+                   rec.dtype_str + " needs " +
+                   (nbytes == UINT64_MAX ? std::string("more than 2^64") : std::to_string(nbytes)));
     rec.data = data_begin + begin;
     rec.nbytes = size_t(end - begin);
     if (tensors_.count(name)) throw bad("tensor " + json::quote(name) + " appears in more than one file");
@@ -142,10 +144,10 @@ void Checkpoint::add_file(const std::string& path) {
   const uint8_t* expected = data_begin;
   for (const TensorRecord* rec : added) {
     if (static_cast<const uint8_t*>(rec->data) != expected) {
-      const int64_t begin = static_cast<const uint8_t*>(rec->data) - data_begin;
+      const int64_t begin = static_cast<const uint8_t*>(rec->data) - data_begin, at = expected - data_begin;
       throw bad("tensor " + json::quote(rec->name) + " data_offsets [" + std::to_string(begin) + ", " +
-                std::to_string(begin + int64_t(rec->nbytes)) + "] " + (begin < expected - data_begin ? "overlap" : "leave a gap after") +
-                " the tensor before it (byte " + std::to_string(expected - data_begin) +
+                std::to_string(begin + int64_t(rec->nbytes)) + "] " + (begin < at ? "overlap" : "leave a gap after") +
+                " the tensor before it (byte " + std::to_string(at) +
                 "): the tensors' data must follow one another without gaps or overlaps");
     }
     expected += rec->nbytes;

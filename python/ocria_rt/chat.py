@@ -70,7 +70,7 @@ def _pick_template(value: Any, source: Path) -> str:
     if isinstance(value, str):
         return value
     if isinstance(value, list):
-        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        named = {t["name"]: t.get("template") for t in value if isinstance(t, dict) and isinstance(t.get("name"), str)}
         default = named.get("default")
         if isinstance(default, str):
             return default
@@ -142,6 +142,8 @@ def _compile(template: str):  # -> jinja2.Template
         return env.from_string(template)
     except jinja2.exceptions.TemplateSyntaxError as e:
         raise ModelError(f"the chat template does not parse (line {e.lineno}): {e.message}") from e
+    except Exception as e:  # noqa: BLE001 - a hostile template can fail the compiler otherwise (RecursionError)
+        raise ModelError(f"the chat template does not compile: {type(e).__name__}: {e}") from e
 
 
 def _check_messages(messages: Any) -> list[Message]:
@@ -178,7 +180,7 @@ def apply_chat_template(
                                              **variables))
     except jinja2.exceptions.TemplateError as e:
         raise InvalidArgumentError(f"the chat template refused the messages: {e}") from e
-    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+    except Exception as e:  # noqa: BLE001 - the template is model content: any failure in it is reported
         raise InvalidArgumentError(
             f"the chat template of '{_model_dir(model_dir_or_engine)}' failed on these messages "
             f"({type(e).__name__}: {e}); does it take this content format?"

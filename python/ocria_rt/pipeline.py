@@ -284,7 +284,8 @@ def _inspect(path: Path, ranges: list[tuple[int, int | None]] | None) -> _Source
             im = _open_image(path)
         except Image.DecompressionBombError as e:
             # the file is an image, too large to decode: one page that fails
-            n, page_error = 1, InvalidArgumentError(f"image '{path}' is too large (Pillow's decompression-bomb guard): {e}")
+            n = 1
+            page_error = InvalidArgumentError(f"image '{path}' is too large (Pillow's decompression-bomb guard): {e}")
         else:
             with im:
                 try:
