@@ -7,6 +7,7 @@ public API:
   config        config.json / generation_config.json of a text checkpoint (tests/fixtures/text_tied):
                 values replaced by wrong types, NaN, inf, huge, negative, zero, fractional; keys
                 deleted or added; raw bytes flipped. Then Engine(dir).score(...) and generate(...).
+  index         model.safetensors.index.json of a sharded checkpoint (text_untied_dkdv), likewise.
   vlm_config    config.json of a VLM (the package's tiny-vlm): text_config, vision_config, token ids.
                 Then a chat prompt with an image is built and scored (build_multimodal_prompt, score).
   preprocessor  preprocessor_config.json of the VLM, then the same image prompt.
@@ -58,6 +59,7 @@ from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT_MODEL = REPO / "tests" / "fixtures" / "text_tied"
+SHARDED_MODEL = REPO / "tests" / "fixtures" / "text_untied_dkdv"  # five shards and an index
 IMAGES = REPO / "tests" / "fixtures" / "images"
 
 PASSING = ("ok", "error")
@@ -399,6 +401,10 @@ def case_config(rng, bases, out):
     return _json_case(rng, TEXT_MODEL, out, ["config.json"] * 4 + ["generation_config.json"], "text")
 
 
+def case_index(rng, bases, out):
+    return _json_case(rng, SHARDED_MODEL, out, ["model.safetensors.index.json"], "text")
+
+
 def case_vlm_config(rng, bases, out):
     return _json_case(rng, bases / "vlm", out, ["config.json"], "vlm")
 
@@ -531,6 +537,7 @@ def _prepare(kind: str, seed: int, index: int, bases: Path, out: Path) -> Prepar
 
 KINDS: dict[str, Kind] = {
     "config": Kind(case_config, 3, False),
+    "index": Kind(case_index, 1, False),
     "vlm_config": Kind(case_vlm_config, 2, False),
     "preprocessor": Kind(case_preprocessor, 1, False),
     "tokenizer": Kind(case_tokenizer, 1, False),
@@ -714,7 +721,6 @@ def worker_main(memory_limit_mb: int) -> None:
     if memory_limit_mb > 0:  # an allocation past this fails (an error to report) instead of swapping
         limit = memory_limit_mb << 20
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     import numpy  # noqa: F401 - imported before the forks, as every case needs them
     import ocria_rt  # noqa: F401
     import ocria_rt.chat  # noqa: F401
@@ -824,9 +830,12 @@ def run_fuzz(cases: list[tuple[str, int, int]], jobs: int = 2, timeout: float = 
             spawned += 1
             err = root / f"worker-{spawned}.stderr"
             with open(err, "wb") as ef:
+                # one thread per worker: the jobs share the cores, and no thread pool lives across the forks
+                env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                       "TOKENIZERS_PARALLELISM": "false"}
                 proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker",
                                          "--memory-limit-mb", str(memory_limit_mb)],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=ef)
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=ef, env=env)
             proc.stdin.write(json.dumps({"bases": str(root / "bases"), "work": str(root / "work"), "timeout": timeout,
                                          "cases": batch_cases}).encode())
             proc.stdin.close()
