@@ -790,14 +790,14 @@ class Report:
 
 
 def plan(cases: int, seed: int, kinds: list[str] | None = None) -> list[tuple[str, int, int]]:
-    """`cases` cases shared among the kinds by weight (every chosen kind gets at least one)."""
+    """`cases` cases (at least one per kind) shared among the kinds by weight, largest remainders first."""
     names = kinds or list(KINDS)
     total = sum(KINDS[k].weight for k in names)
-    out = []
-    for k in names:
-        n = max(1, round(cases * KINDS[k].weight / total))
-        out += [(k, seed, i) for i in range(n)]
-    return out
+    shares = {k: cases * KINDS[k].weight / total for k in names}
+    counts = {k: int(v) for k, v in shares.items()}
+    for k in sorted(names, key=lambda k: counts[k] - shares[k])[: max(0, cases - sum(counts.values()))]:
+        counts[k] += 1
+    return [(k, seed, i) for k in names for i in range(max(1, counts[k]))]
 
 
 def run_fuzz(cases: list[tuple[str, int, int]], jobs: int = 2, timeout: float = 30.0, batch: int = 64,
