@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstring>
 #include <optional>
 
 #include "ocria_rt/engine.h"
@@ -16,15 +17,34 @@ void register_kernel_bench(py::module_& m);  // kernel_bench.cpp
 
 namespace {
 
-// ocria_rt.Error -> the matching Python exception class of ocria_rt.errors.
+// Sets the Python exception `cls` with a C++ message. Messages quote file contents with their
+// bytes escaped, but a path or a name may still hold bytes that are not UTF-8: those are kept as
+// \xNN escapes instead of failing the conversion.
+void set_error(PyObject* cls, const char* message) {
+  PyObject* text = PyUnicode_DecodeUTF8(message, Py_ssize_t(std::strlen(message)), "backslashreplace");
+  if (!text) return;  // the decode itself failed (out of memory): its exception stands
+  PyErr_SetObject(cls, text);
+  Py_DECREF(text);
+}
+
+// ocria_rt.Error -> the matching Python exception class of ocria_rt.errors; out of memory ->
+// ResourceError; any other C++ exception is a bug: InternalError.
 void translate_errors() {
   py::register_exception_translator([](std::exception_ptr p) {
+    auto error_class = [](const char* name) { return py::module_::import("ocria_rt.errors").attr(name); };
     try {
       if (p) std::rethrow_exception(p);
     } catch (const Error& e) {
       static const char* names[] = {"InvalidArgumentError", "FileError", "ModelError", "ResourceError", "DeviceError", "InternalError"};
-      py::object cls = py::module_::import("ocria_rt.errors").attr(names[int(e.code())]);
-      PyErr_SetString(cls.ptr(), e.what());
+      set_error(error_class(names[int(e.code())]).ptr(), e.what());
+    } catch (const std::bad_alloc&) {
+      set_error(error_class("ResourceError").ptr(), "out of host memory");
+    } catch (const py::builtin_exception&) {
+      throw;  // pybind11's own (cast errors, stop_iteration, ...): translated as pybind11 does
+    } catch (const py::error_already_set&) {
+      throw;
+    } catch (const std::exception& e) {
+      set_error(error_class("InternalError").ptr(), (std::string("unexpected C++ exception: ") + e.what()).c_str());
     }
   });
 }
@@ -50,6 +70,27 @@ py::dict config_to_dict(const ModelConfig& c) {
   d["tie_word_embeddings"] = c.tie_word_embeddings;
   d["max_position_embeddings"] = c.max_position_embeddings;
   d["eos_token_ids"] = c.eos_token_ids;
+  d["rms_norm_eps"] = c.rms_norm_eps;
+  d["mrope_section"] = c.mrope_section;
+  if (c.has_vision) {
+    d["image_token_id"] = c.image_token_id;
+    d["vision_start_token_id"] = c.vision_start_token_id;
+    d["vision_end_token_id"] = c.vision_end_token_id;
+    const VisionConfig& v = c.vision;
+    py::dict vd;
+    vd["depth"] = v.depth;
+    vd["hidden_size"] = v.hidden_size;
+    vd["num_heads"] = v.num_heads;
+    vd["intermediate_size"] = v.intermediate_size;
+    vd["in_channels"] = v.in_channels;
+    vd["patch_size"] = v.patch_size;
+    vd["temporal_patch_size"] = v.temporal_patch_size;
+    vd["spatial_merge_size"] = v.spatial_merge_size;
+    vd["out_hidden_size"] = v.out_hidden_size;
+    vd["num_position_embeddings"] = v.num_position_embeddings;
+    vd["rope_theta"] = v.rope_theta;
+    d["vision"] = vd;
+  }
   return d;
 }
 

@@ -1,9 +1,9 @@
-// config.json -> ModelConfig, read the way transformers 5.x reads Qwen3.5 configs.
+// config.json -> ModelConfig, read the way transformers 5.x reads Qwen3.5 configs. Every value is read
+// through json::Field, so a wrong type, a missing key or a value outside what the math needs fails
+// with a ModelError naming the file and the key path.
+#include <cfloat>
 #include <cmath>
-#include <optional>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 
 #include "core/json.h"
 #include "ocria_rt/config.h"
@@ -12,62 +12,74 @@ namespace ocria_rt {
 
 namespace {
 
-class ConfigReader {
- public:
-  ConfigReader(const json::Value& obj, std::string path, std::string prefix)
-      : obj_(obj), path_(std::move(path)), prefix_(std::move(prefix)) {}
+using json::Field;
+using json::IntRange;
+using json::NumRange;
 
-  [[noreturn]] void fail(const std::string& key, const std::string& why) const {
-    throw Error(ErrorCode::kModelError, "config '" + path_ + "': key '" + prefix_ + key + "' " + why);
-  }
-  const json::Value* find(const std::string& key) const {
-    const json::Value* v = obj_.find(key);
-    return v && !v->is_null() ? v : nullptr;
-  }
-  int64_t positive_int(const std::string& key, std::optional<int64_t> fallback = std::nullopt) const {
-    const json::Value* v = find(key);
-    if (!v) {
-      if (fallback) return *fallback;
-      fail(key, "is missing");
-    }
-    int64_t n = 0;
-    try {
-      n = v->as_int();
-    } catch (const std::runtime_error&) {
-      fail(key, "must be an integer");
-    }
-    if (n <= 0) fail(key, "must be positive (got " + std::to_string(n) + ")");
-    return n;
-  }
-  double number(const std::string& key, double fallback) const {
-    const json::Value* v = find(key);
-    if (!v) return fallback;
-    if (!v->is_number()) fail(key, "must be a number");
-    return v->as_number();
-  }
-  bool boolean(const std::string& key, bool fallback) const {
-    const json::Value* v = find(key);
-    if (!v) return fallback;
-    if (!v->is_bool()) fail(key, "must be true or false");
-    return v->as_bool();
-  }
-  const json::Value& obj() const { return obj_; }
+// Bounds well above any real checkpoint. They keep products of two dimensions inside int64 before
+// the checkpoint's tensor shapes are compared with them.
+constexpr int64_t kMaxDim = int64_t(1) << 24;          // sizes, head counts, vocabulary
+constexpr int64_t kMaxSmallDim = 1024;                 // patch and merge sizes, channels, conv taps
+constexpr int64_t kMaxPositions = (int64_t(1) << 31) - 1;  // positions are int32
+const IntRange kDim = IntRange::between(1, kMaxDim);
+const IntRange kSmallDim = IntRange::between(1, kMaxSmallDim);
 
- private:
-  const json::Value& obj_;
-  std::string path_;
-  std::string prefix_;
-};
+// RMSNorm's epsilon is added in float32: it must stay positive and finite there.
+const NumRange kEps =
+    NumRange::between(FLT_MIN, FLT_MAX, "a positive number in the normal float32 range (1.2e-38 to 3.4e38)");
+// RoPE frequencies are theta^(-2i/d): theta >= 1 keeps them in (0, 1] (below 1 they grow with i, which
+// no model is trained with, and overflow float32 at long positions).
+const NumRange kTheta = NumRange::between(1.0, FLT_MAX, "a number in [1, 3.4e38] (finite in float32)");
 
-std::vector<int32_t> read_token_ids(const json::Value* v) {
+// A token id or a list of them (eos_token_id), each inside the vocabulary.
+std::vector<int32_t> token_ids(const Field& f, int64_t vocab_size) {
+  const IntRange in_vocab = IntRange::between(0, vocab_size - 1);
   std::vector<int32_t> ids;
-  if (!v || v->is_null()) return ids;
-  if (v->is_array()) {
-    for (const auto& x : v->as_array()) ids.push_back(int32_t(x.as_int()));
+  if (!f.present()) return ids;
+  if (f.value()->is_array()) {
+    for (int64_t id : f.integers(in_vocab)) ids.push_back(int32_t(id));
   } else {
-    ids.push_back(int32_t(v->as_int()));
+    if (!f.value()->is_number())
+      f.expected("a token id or a list of token ids in [0, " + std::to_string(vocab_size - 1) + "]");
+    ids.push_back(int32_t(f.integer(in_vocab)));
   }
   return ids;
+}
+
+void read_vision_config(const Field& root, ModelConfig& c) {
+  const Field v = root["vision_config"];
+  v.object();
+  VisionConfig& vc = c.vision;
+  vc.depth = v["depth"].integer(kDim);
+  vc.hidden_size = v["hidden_size"].integer(kDim);
+  vc.num_heads = v["num_heads"].integer(kDim);
+  vc.intermediate_size = v["intermediate_size"].integer(kDim);
+  vc.in_channels = v["in_channels"].integer_or(3, kSmallDim);
+  vc.patch_size = v["patch_size"].integer_or(16, kSmallDim);
+  vc.temporal_patch_size = v["temporal_patch_size"].integer_or(2, kSmallDim);
+  vc.spatial_merge_size = v["spatial_merge_size"].integer_or(2, kSmallDim);
+  vc.out_hidden_size = v["out_hidden_size"].integer(kDim);
+  vc.num_position_embeddings = v["num_position_embeddings"].integer(kDim);
+  const auto side = int64_t(std::llround(std::sqrt(double(vc.num_position_embeddings))));
+  if (side * side != vc.num_position_embeddings)
+    v["num_position_embeddings"].fail("must be a perfect square (a square grid of position embeddings), got " +
+                                      std::to_string(vc.num_position_embeddings));
+  if (vc.hidden_size % vc.num_heads != 0 || vc.head_dim() % 4 != 0)
+    v["num_heads"].fail("must divide hidden_size " + std::to_string(vc.hidden_size) +
+                        " into heads whose size is a multiple of 4, got " + std::to_string(vc.num_heads));
+  if (vc.out_hidden_size != c.hidden_size)
+    v["out_hidden_size"].fail("must equal the text hidden_size " + std::to_string(c.hidden_size) + ", got " +
+                              std::to_string(vc.out_hidden_size));
+  const std::string act = v["hidden_act"].string_or("gelu_pytorch_tanh");
+  if (act != "gelu_pytorch_tanh" && act != "gelu")
+    v["hidden_act"].fail("is " + json::quote(act) + "; supported: gelu_pytorch_tanh, gelu");
+  vc.gelu_tanh = act == "gelu_pytorch_tanh";
+  vc.rope_theta = v["rope_parameters"]["rope_theta"].number_or(10000.0, kTheta);
+
+  const IntRange in_vocab = IntRange::between(0, c.vocab_size - 1);
+  c.image_token_id = int32_t(root["image_token_id"].integer_or(248056, in_vocab));
+  c.vision_start_token_id = int32_t(root["vision_start_token_id"].integer_or(248053, in_vocab));
+  c.vision_end_token_id = int32_t(root["vision_end_token_id"].integer_or(248054, in_vocab));
 }
 
 }  // namespace
@@ -77,146 +89,99 @@ ModelConfig load_model_config(const std::string& model_dir) {
   const std::string path = (fs::path(model_dir) / "config.json").string();
   if (!fs::is_directory(model_dir))
     throw Error(ErrorCode::kFileError, "model directory '" + model_dir + "' does not exist");
-  std::ifstream in(path);
-  if (!in) throw Error(ErrorCode::kFileError, "cannot read '" + path + "' (missing config.json?)");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  json::Value root;
-  try {
-    root = json::Value::parse(ss.str());
-    root.as_object();
-  } catch (const std::runtime_error& e) {
-    throw Error(ErrorCode::kFileError, "'" + path + "': " + e.what());
-  }
+  if (!fs::exists(path)) throw Error(ErrorCode::kFileError, "cannot read '" + path + "' (missing config.json?)");
+  const json::Value doc = json::parse_file(path);
+  const Field root(doc, "config '" + path + "'", ErrorCode::kModelError);
+  root.object();
 
   ModelConfig c;
-  const json::Value* type = root.find("model_type");
-  if (!type || !type->is_string()) throw Error(ErrorCode::kModelError, "config '" + path + "' has no 'model_type'");
-  c.model_type = type->as_string();
-  const json::Value* text = &root;
-  std::string prefix;
+  c.model_type = root["model_type"].string();
+  Field text = root;
   if (c.model_type == "qwen3_5") {
-    text = root.find("text_config");
-    if (!text || !text->is_object())
-      throw Error(ErrorCode::kModelError, "config '" + path + "': model_type 'qwen3_5' needs a 'text_config' object");
-    c.has_vision = root.find("vision_config") != nullptr;
-    prefix = "text_config.";
+    text = root["text_config"];
+    text.object();
+    c.has_vision = root["vision_config"].present();
   } else if (c.model_type != "qwen3_5_text") {
-    throw Error(ErrorCode::kModelError, "config '" + path + "': unsupported model_type '" + c.model_type +
-                                            "' (supported: qwen3_5_text, qwen3_5)");
+    root["model_type"].fail("names an unsupported model_type " + json::quote(c.model_type) +
+                           " (supported: qwen3_5_text, qwen3_5)");
   }
-  ConfigReader r(*text, path, prefix);
 
-  c.vocab_size = r.positive_int("vocab_size");
-  c.hidden_size = r.positive_int("hidden_size");
-  c.intermediate_size = r.positive_int("intermediate_size");
-  c.num_layers = r.positive_int("num_hidden_layers");
-  c.rms_norm_eps = r.number("rms_norm_eps", 1e-6);
-  c.max_position_embeddings = r.positive_int("max_position_embeddings", 32768);
-  c.num_attention_heads = r.positive_int("num_attention_heads");
-  c.num_key_value_heads = r.positive_int("num_key_value_heads");
-  c.head_dim = r.positive_int("head_dim", c.hidden_size / c.num_attention_heads);
-  c.linear_num_key_heads = r.positive_int("linear_num_key_heads", 16);
-  c.linear_num_value_heads = r.positive_int("linear_num_value_heads", 32);
-  c.linear_key_head_dim = r.positive_int("linear_key_head_dim", 128);
-  c.linear_value_head_dim = r.positive_int("linear_value_head_dim", 128);
-  c.linear_conv_kernel_dim = r.positive_int("linear_conv_kernel_dim", 4);
+  c.vocab_size = text["vocab_size"].integer(kDim);
+  c.hidden_size = text["hidden_size"].integer(kDim);
+  c.intermediate_size = text["intermediate_size"].integer(kDim);
+  c.num_layers = text["num_hidden_layers"].integer(kDim);
+  c.rms_norm_eps = text["rms_norm_eps"].number_or(1e-6, kEps);
+  c.max_position_embeddings = text["max_position_embeddings"].integer_or(32768, IntRange::between(1, kMaxPositions));
+  c.num_attention_heads = text["num_attention_heads"].integer(kDim);
+  c.num_key_value_heads = text["num_key_value_heads"].integer(kDim);
+  c.head_dim = text["head_dim"].integer_or(c.hidden_size / c.num_attention_heads, kDim);
+  if (c.head_dim == 0) text["num_attention_heads"].fail("is larger than hidden_size and no head_dim is given");
+  c.linear_num_key_heads = text["linear_num_key_heads"].integer_or(16, kDim);
+  c.linear_num_value_heads = text["linear_num_value_heads"].integer_or(32, kDim);
+  c.linear_key_head_dim = text["linear_key_head_dim"].integer_or(128, kDim);
+  c.linear_value_head_dim = text["linear_value_head_dim"].integer_or(128, kDim);
+  c.linear_conv_kernel_dim = text["linear_conv_kernel_dim"].integer_or(4, kSmallDim);
   // The top level decides tying for the VLM wrapper; the text config otherwise.
-  const json::Value* tie = root.find("tie_word_embeddings");
-  if (tie && tie->is_bool()) c.tie_word_embeddings = tie->as_bool();
-  else c.tie_word_embeddings = r.boolean("tie_word_embeddings", false);
+  c.tie_word_embeddings = root["tie_word_embeddings"].present() ? root["tie_word_embeddings"].boolean()
+                                                                 : text["tie_word_embeddings"].boolean_or(false);
 
   if (c.num_attention_heads % c.num_key_value_heads != 0)
-    r.fail("num_attention_heads", "must be a multiple of num_key_value_heads");
+    text["num_attention_heads"].fail("must be a multiple of num_key_value_heads (" +
+                                     std::to_string(c.num_key_value_heads) + "), got " +
+                                     std::to_string(c.num_attention_heads));
   if (c.linear_num_value_heads % c.linear_num_key_heads != 0)
-    r.fail("linear_num_value_heads", "must be a multiple of linear_num_key_heads");
-  const std::string act = r.find("hidden_act") ? r.find("hidden_act")->as_string() : "silu";
-  if (act != "silu") r.fail("hidden_act", "is '" + act + "'; only 'silu' is supported");
-  if (r.boolean("attention_bias", false)) r.fail("attention_bias", "is true; attention biases are not supported");
+    text["linear_num_value_heads"].fail("must be a multiple of linear_num_key_heads (" +
+                                        std::to_string(c.linear_num_key_heads) + "), got " +
+                                        std::to_string(c.linear_num_value_heads));
+  const std::string act = text["hidden_act"].string_or("silu");
+  if (act != "silu") text["hidden_act"].fail("is " + json::quote(act) + "; only 'silu' is supported");
+  if (text["attention_bias"].boolean_or(false))
+    text["attention_bias"].fail("is true; attention biases are not supported");
 
   // layer_types, or the default pattern: every full_attention_interval-th layer is full attention.
-  if (const json::Value* lt = r.find("layer_types")) {
-    if (!lt->is_array() || int64_t(lt->as_array().size()) != c.num_layers)
-      r.fail("layer_types", "must list one type per layer (" + std::to_string(c.num_layers) + ")");
-    for (const auto& t : lt->as_array()) {
-      const std::string s = t.is_string() ? t.as_string() : "";
+  if (const Field lt = text["layer_types"]; lt.present()) {
+    if (int64_t(lt.size()) != c.num_layers)
+      lt.fail("must list one type per layer (" + std::to_string(c.num_layers) + "), got " + std::to_string(lt.size()));
+    for (size_t i = 0; i < lt.size(); ++i) {
+      const std::string& s = lt[i].string();
       if (s == "full_attention" || s == "attention") c.full_attention.push_back(true);
       else if (s == "linear_attention") c.full_attention.push_back(false);
-      else r.fail("layer_types", "holds unknown layer type '" + s + "'");
+      else lt[i].fail("is " + json::quote(s) + "; expected 'full_attention' or 'linear_attention'");
     }
   } else {
-    int64_t interval = r.positive_int("full_attention_interval", 4);
+    const int64_t interval = text["full_attention_interval"].integer_or(4, kDim);
     for (int64_t i = 0; i < c.num_layers; ++i) c.full_attention.push_back((i + 1) % interval == 0);
   }
 
   // RoPE: rope_scaling, then rope_parameters, then the legacy top-level keys, then defaults.
-  const json::Value* rope = r.find("rope_scaling");
-  if (!rope) rope = r.find("rope_parameters");
-  if (rope && !rope->is_object()) r.fail("rope_parameters", "must be an object");
-  static const json::Value kEmpty;
-  ConfigReader rr(rope ? *rope : kEmpty, path, prefix + "rope_parameters.");
-  std::string rope_type = "default";
-  if (rope) {
-    const json::Value* t = rope->find("rope_type");
-    if (!t) t = rope->find("type");
-    if (t && t->is_string()) rope_type = t->as_string();
-  }
-  if (rope_type != "default")
-    throw Error(ErrorCode::kModelError, "config '" + path + "': rope type '" + rope_type + "' is not supported (only 'default')");
-  c.rope_theta = rr.number("rope_theta", r.number("rope_theta", 10000.0));
-  const double partial = rr.number("partial_rotary_factor", r.number("partial_rotary_factor", 0.25));
+  const Field rope = text["rope_scaling"].present() ? text["rope_scaling"] : text["rope_parameters"];
+  if (rope.present()) rope.object();
+  const Field type = rope["rope_type"].present() ? rope["rope_type"] : rope["type"];
+  const std::string rope_type = type.string_or("default");
+  if (rope_type != "default") type.fail("is " + json::quote(rope_type) + "; only 'default' is supported");
+  const Field theta = rope["rope_theta"].present() ? rope["rope_theta"] : text["rope_theta"];
+  c.rope_theta = theta.number_or(10000.0, kTheta);
+  const Field partial_key =
+      rope["partial_rotary_factor"].present() ? rope["partial_rotary_factor"] : text["partial_rotary_factor"];
+  const double partial = partial_key.number_or(0.25, NumRange::above_until(0.0, 1.0));
   c.rotary_dim = int64_t(double(c.head_dim) * partial);
-  if (c.rotary_dim <= 0 || c.rotary_dim > c.head_dim || c.rotary_dim % 2 != 0)
-    r.fail("partial_rotary_factor", "gives a rotary dimension of " + std::to_string(c.rotary_dim) +
-                                        " for head_dim " + std::to_string(c.head_dim) + " (must be even, 2.." +
-                                        std::to_string(c.head_dim) + ")");
-  if (!(c.rope_theta > 0)) r.fail("rope_theta", "must be positive");
+  if (c.rotary_dim <= 0 || c.rotary_dim % 2 != 0)
+    partial_key.fail("gives a rotary dimension of " + std::to_string(c.rotary_dim) + " for head_dim " +
+                     std::to_string(c.head_dim) + " (it must be even and at least 2)");
 
-  if (rope) {
-    if (const json::Value* sec = rope->find("mrope_section")) {
-      int64_t total = 0;
-      for (const auto& v : sec->as_array()) total += c.mrope_section.emplace_back(v.as_int());
-      if (c.mrope_section.size() != 3 || total != c.rotary_dim / 2)
-        rr.fail("mrope_section", "must hold 3 sizes adding up to rotary_dim / 2 = " + std::to_string(c.rotary_dim / 2));
-    }
+  if (const Field sec = rope["mrope_section"]; sec.present()) {
+    c.mrope_section = sec.integers(IntRange::between(0, c.rotary_dim / 2));
+    int64_t total = 0;
+    for (int64_t s : c.mrope_section) total += s;
+    if (c.mrope_section.size() != 3 || total != c.rotary_dim / 2)
+      sec.fail("must hold 3 sizes (t, h, w) adding up to rotary_dim / 2 = " + std::to_string(c.rotary_dim / 2) +
+               ", got " + std::to_string(c.mrope_section.size()) + " adding up to " + std::to_string(total));
   }
-  if (c.has_vision) {
-    ConfigReader v(*root.find("vision_config"), path, "vision_config.");
-    VisionConfig& vc = c.vision;
-    vc.depth = v.positive_int("depth");
-    vc.hidden_size = v.positive_int("hidden_size");
-    vc.num_heads = v.positive_int("num_heads");
-    vc.intermediate_size = v.positive_int("intermediate_size");
-    vc.in_channels = v.positive_int("in_channels", 3);
-    vc.patch_size = v.positive_int("patch_size", 16);
-    vc.temporal_patch_size = v.positive_int("temporal_patch_size", 2);
-    vc.spatial_merge_size = v.positive_int("spatial_merge_size", 2);
-    vc.out_hidden_size = v.positive_int("out_hidden_size");
-    vc.num_position_embeddings = v.positive_int("num_position_embeddings");
-    const auto side = int64_t(std::llround(std::sqrt(double(vc.num_position_embeddings))));
-    if (side * side != vc.num_position_embeddings) v.fail("num_position_embeddings", "must be a perfect square");
-    if (vc.hidden_size % vc.num_heads != 0 || vc.head_dim() % 4 != 0)
-      v.fail("num_heads", "must divide hidden_size into heads whose size is a multiple of 4");
-    if (vc.out_hidden_size != c.hidden_size)
-      v.fail("out_hidden_size", "must equal the text hidden_size " + std::to_string(c.hidden_size));
-    const std::string act = v.find("hidden_act") ? v.find("hidden_act")->as_string() : "gelu_pytorch_tanh";
-    if (act != "gelu_pytorch_tanh" && act != "gelu") v.fail("hidden_act", "is '" + act + "'; supported: gelu_pytorch_tanh, gelu");
-    vc.gelu_tanh = act == "gelu_pytorch_tanh";
-    if (const json::Value* vr = v.find("rope_parameters"))
-      if (const json::Value* th = vr->find("rope_theta")) vc.rope_theta = th->as_number();
-    ConfigReader top(root, path, "");
-    auto token = [&](const char* key, int64_t fallback) {
-      const int64_t id = top.positive_int(key, fallback);
-      if (id >= c.vocab_size) top.fail(key, "is outside the vocabulary (" + std::to_string(c.vocab_size) + ")");
-      return int32_t(id);
-    };
-    c.image_token_id = token("image_token_id", 248056);
-    c.vision_start_token_id = token("vision_start_token_id", 248053);
-    c.vision_end_token_id = token("vision_end_token_id", 248054);
-  }
+  if (c.has_vision) read_vision_config(root, c);
 
-  c.eos_token_ids = read_token_ids(r.find("eos_token_id"));
-  if (c.eos_token_ids.empty()) c.eos_token_ids = read_token_ids(root.find("eos_token_id"));
+  c.eos_token_ids = token_ids(text["eos_token_id"], c.vocab_size);
+  if (c.eos_token_ids.empty() && text.path() != root.path())
+    c.eos_token_ids = token_ids(root["eos_token_id"], c.vocab_size);
   return c;
 }
 

@@ -5,10 +5,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 
 #include "core/json.h"
 
@@ -22,12 +21,17 @@ static constexpr uint64_t kMaxHeaderBytes = 256ull << 20;
 class MappedFile {
  public:
   explicit MappedFile(const std::string& path) : path_(path) {
-    int fd = ::open(path.c_str(), O_RDONLY);
+    // O_NONBLOCK: opening a FIFO must not wait for a writer (it is then refused as not a regular file).
+    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) throw Error(ErrorCode::kFileError, "cannot open '" + path + "': " + std::strerror(errno));
     struct stat st {};
     if (::fstat(fd, &st) != 0) {
       ::close(fd);
       throw Error(ErrorCode::kFileError, "cannot stat '" + path + "'");
+    }
+    if (!S_ISREG(st.st_mode)) {
+      ::close(fd);
+      throw Error(ErrorCode::kFileError, "'" + path + "' is not a regular file");
     }
     size_ = size_t(st.st_size);
     if (size_ > 0) {
@@ -79,7 +83,8 @@ static bool parse_dtype(const std::string& s, DType* out, size_t* elem_size) {
 
 void Checkpoint::add_file(const std::string& path) {
   auto file = std::make_shared<MappedFile>(path);
-  auto bad = [&](const std::string& why) { return Error(ErrorCode::kFileError, "safetensors file '" + path + "': " + why); };
+  const std::string source = "safetensors file '" + path + "'";
+  auto bad = [&](const std::string& why) { return Error(ErrorCode::kFileError, source + ": " + why); };
   if (file->size() < 8) throw bad("truncated (" + std::to_string(file->size()) + " bytes, no header)");
   uint64_t header_len = 0;
   std::memcpy(&header_len, file->bytes(), 8);  // little-endian u64
@@ -89,47 +94,67 @@ void Checkpoint::add_file(const std::string& path) {
   json::Value header;
   try {
     header = json::Value::parse(std::string_view(reinterpret_cast<const char*>(file->bytes()) + 8, header_len));
-    header.as_object();
   } catch (const std::runtime_error& e) {
     throw bad(std::string("bad header: ") + e.what());
   }
+  if (!header.is_object()) throw bad("bad header: expected a JSON object, got " + json::describe(header));
   const uint8_t* data_begin = file->bytes() + 8 + header_len;
   const uint64_t data_size = file->size() - 8 - header_len;
+  std::vector<const TensorRecord*> added;
   for (const auto& [name, entry] : header.as_object()) {
     if (name == "__metadata__") continue;
+    const json::Field t(entry, source + ": tensor " + json::quote(name), ErrorCode::kFileError);
     TensorRecord rec;
     rec.name = name;
     rec.file = path;
-    try {
-      rec.dtype_str = entry.find("dtype") ? entry.find("dtype")->as_string() : "";
-      const json::Value* shape = entry.find("shape");
-      const json::Value* offsets = entry.find("data_offsets");
-      if (!shape || !offsets || offsets->as_array().size() != 2) throw std::runtime_error("missing shape or data_offsets");
-      for (const json::Value& d : shape->as_array()) {
-        int64_t n = d.as_int();
-        if (n < 0) throw std::runtime_error("negative dimension");
-        rec.shape.push_back(n);
-      }
-      int64_t begin = offsets->as_array()[0].as_int(), end = offsets->as_array()[1].as_int();
-      size_t elem = 0;
-      rec.dtype_supported = parse_dtype(rec.dtype_str, &rec.dtype, &elem);
-      if (elem == 0) throw std::runtime_error("unknown dtype '" + rec.dtype_str + "'");
-      uint64_t numel = 1;
-      for (int64_t d : rec.shape) numel *= uint64_t(d);
-      if (begin < 0 || end < begin || uint64_t(end) > data_size)
-        throw std::runtime_error("data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
-                                 "] outside the " + std::to_string(data_size) + " data bytes (truncated file?)");
-      if (uint64_t(end - begin) != numel * elem)
-        throw std::runtime_error("holds " + std::to_string(end - begin) + " bytes but shape " + rec.shape_str() +
-                                 " of " + rec.dtype_str + " needs " + std::to_string(numel * elem));
-      rec.data = data_begin + begin;
-      rec.nbytes = size_t(end - begin);
-    } catch (const std::runtime_error& e) {
-      throw bad("tensor '" + name + "': " + e.what());
+    t.object();
+    rec.dtype_str = t["dtype"].string();
+    size_t elem = 0;
+    rec.dtype_supported = parse_dtype(rec.dtype_str, &rec.dtype, &elem);
+    if (elem == 0) t["dtype"].fail("is " + json::quote(rec.dtype_str, 40) + ", not a safetensors dtype");
+    rec.shape = t["shape"].integers(json::IntRange::at_least(0));
+    if (rec.shape.size() > 8) t["shape"].fail("has " + std::to_string(rec.shape.size()) + " dimensions (8 at most)");
+    const json::Field offsets = t["data_offsets"];
+    const std::vector<int64_t> range = offsets.integers(json::IntRange::at_least(0));
+    if (range.size() != 2) offsets.expected("[begin, end]");
+    const int64_t begin = range[0], end = range[1];
+    const std::string range_str = "[" + std::to_string(begin) + ", " + std::to_string(end) + "]";
+    if (end < begin) offsets.fail("ends before it begins: " + range_str);
+    if (uint64_t(end) > data_size)
+      offsets.fail(range_str + " reaches past the " + std::to_string(data_size) +
+                   " data bytes of the file (truncated?)");
+    // The element count, with overflow caught: a huge shape must not wrap around to the byte count.
+    uint64_t nbytes = elem;
+    for (int64_t d : rec.shape) {
+      if (__builtin_mul_overflow(nbytes, uint64_t(d), &nbytes)) nbytes = UINT64_MAX;
     }
-    if (tensors_.count(name)) throw bad("tensor '" + name + "' appears in more than one file");
-    tensors_.emplace(name, std::move(rec));
+    if (uint64_t(end - begin) != nbytes)
+      offsets.fail("holds " + std::to_string(end - begin) + " bytes but shape " + rec.shape_str() + " of " +
+                   rec.dtype_str + " needs " +
+                   (nbytes == UINT64_MAX ? std::string("more than 2^64") : std::to_string(nbytes)));
+    rec.data = data_begin + begin;
+    rec.nbytes = size_t(end - begin);
+    if (tensors_.count(name)) throw bad("tensor " + json::quote(name) + " appears in more than one file");
+    added.push_back(&tensors_.emplace(name, std::move(rec)).first->second);
   }
+  // As the safetensors format requires, the tensors tile the data area: sorted by offset, each starts
+  // where the previous one ends, and the last ends at the end of the file.
+  std::stable_sort(added.begin(), added.end(),
+                   [](const TensorRecord* a, const TensorRecord* b) { return a->data < b->data; });
+  const uint8_t* expected = data_begin;
+  for (const TensorRecord* rec : added) {
+    if (static_cast<const uint8_t*>(rec->data) != expected) {
+      const int64_t begin = static_cast<const uint8_t*>(rec->data) - data_begin, at = expected - data_begin;
+      throw bad("tensor " + json::quote(rec->name) + " data_offsets [" + std::to_string(begin) + ", " +
+                std::to_string(begin + int64_t(rec->nbytes)) + "] " + (begin < at ? "overlap" : "leave a gap after") +
+                " the tensor before it (byte " + std::to_string(at) +
+                "): the tensors' data must follow one another without gaps or overlaps");
+    }
+    expected += rec->nbytes;
+  }
+  if (uint64_t(expected - data_begin) != data_size)
+    throw bad("the tensors' data ends at byte " + std::to_string(expected - data_begin) + " of the " +
+              std::to_string(data_size) + " data bytes (trailing bytes: corrupt header?)");
   files_.push_back(std::move(file));
 }
 
@@ -146,23 +171,16 @@ Checkpoint Checkpoint::open(const std::string& dir) {
   fs::path index = fs::path(dir) / "model.safetensors.index.json";
   fs::path single = fs::path(dir) / "model.safetensors";
   if (fs::exists(index)) {
-    std::ifstream in(index);
-    std::stringstream ss;
-    ss << in.rdbuf();
+    const json::Value doc = json::parse_file(index.string());
+    const json::Field map = json::Field(doc, "'" + index.string() + "'", ErrorCode::kFileError)["weight_map"];
     std::vector<std::string> shards;
-    try {
-      json::Value v = json::Value::parse(ss.str());
-      const json::Value* map = v.find("weight_map");
-      if (!map) throw std::runtime_error("no 'weight_map'");
-      for (const auto& [name, file] : map->as_object()) {
-        const std::string& f = file.as_string();
-        if (f.find('/') != std::string::npos) throw std::runtime_error("shard name '" + f + "' is not a plain file name");
-        bool seen = false;
-        for (const auto& s : shards) seen |= s == f;
-        if (!seen) shards.push_back(f);
-      }
-    } catch (const std::runtime_error& e) {
-      throw Error(ErrorCode::kFileError, "'" + index.string() + "': " + e.what());
+    for (const auto& [name, file] : map.object().as_object()) {
+      const std::string& f = map[name].string();
+      if (f.empty() || f.find('/') != std::string::npos || f == "." || f == "..")
+        map[name].fail("names the shard " + json::quote(f) + ", which is not a plain file name");
+      bool seen = false;
+      for (const auto& s : shards) seen |= s == f;
+      if (!seen) shards.push_back(f);
     }
     for (const auto& s : shards) ck.add_file((fs::path(dir) / s).string());
   } else if (fs::exists(single)) {

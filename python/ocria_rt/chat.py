@@ -34,8 +34,10 @@ from urllib.parse import unquote, urlparse
 
 import numpy as np
 
+from . import _core
 from .errors import FileError, InvalidArgumentError, ModelError
-from .preprocess import DEFAULT_MAX_IMAGE_PIXELS, ImageProcessorConfig, num_image_tokens, preprocess_image
+from .preprocess import (DEFAULT_MAX_IMAGE_PIXELS, ImageProcessorConfig, decoder_error, num_image_tokens,
+                         preprocess_image)
 
 Message = Mapping[str, Any]
 
@@ -68,7 +70,7 @@ def _pick_template(value: Any, source: Path) -> str:
     if isinstance(value, str):
         return value
     if isinstance(value, list):
-        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        named = {t["name"]: t.get("template") for t in value if isinstance(t, dict) and isinstance(t.get("name"), str)}
         default = named.get("default")
         if isinstance(default, str):
             return default
@@ -140,6 +142,8 @@ def _compile(template: str):  # -> jinja2.Template
         return env.from_string(template)
     except jinja2.exceptions.TemplateSyntaxError as e:
         raise ModelError(f"the chat template does not parse (line {e.lineno}): {e.message}") from e
+    except Exception as e:  # noqa: BLE001 - a hostile template can fail the compiler otherwise (RecursionError)
+        raise ModelError(f"the chat template does not compile: {type(e).__name__}: {e}") from e
 
 
 def _check_messages(messages: Any) -> list[Message]:
@@ -176,7 +180,7 @@ def apply_chat_template(
                                              **variables))
     except jinja2.exceptions.TemplateError as e:
         raise InvalidArgumentError(f"the chat template refused the messages: {e}") from e
-    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+    except Exception as e:  # noqa: BLE001 - the template is model content: any failure in it is reported
         raise InvalidArgumentError(
             f"the chat template of '{_model_dir(model_dir_or_engine)}' failed on these messages "
             f"({type(e).__name__}: {e}); does it take this content format?"
@@ -260,8 +264,10 @@ def _preprocess_item(item: Mapping[str, Any], cfg: ImageProcessorConfig, backend
         try:
             src = Image.open(src)
             src.load()
-        except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+        except UnidentifiedImageError as e:
             raise InvalidArgumentError(f"the bytes of an image item are not an image Pillow can read: {e}") from e
+        except Exception as e:  # noqa: BLE001 - whatever the decoder raises on corrupt bytes
+            raise decoder_error(e, "the bytes of an image item cannot be decoded") from e
     return preprocess_image(src, cfg, backend=backend, max_image_pixels=max_image_pixels)
 
 
@@ -269,16 +275,16 @@ def _preprocess_item(item: Mapping[str, Any], cfg: ImageProcessorConfig, backend
 # Placeholder expansion
 # --------------------------------------------------------------------------- #
 def vision_token_ids(model_dir_or_engine: Any) -> dict[str, int]:
-    """image_token_id, vision_start_token_id, vision_end_token_id and spatial_merge_size of a VLM."""
-    d = _model_dir(model_dir_or_engine)
-    cfg = _read_json(d / "config.json")
-    vc = cfg.get("vision_config") if isinstance(cfg, dict) else None
-    if not isinstance(vc, dict) or "image_token_id" not in cfg:
-        raise InvalidArgumentError(f"model '{d}' has no vision encoder: it cannot take images")
-    out = {"merge_size": int(vc.get("spatial_merge_size", 2))}
+    """image_token_id, vision_start_token_id, vision_end_token_id and spatial_merge_size of a VLM, from
+    the config the core read and checked (an Engine's, or config.json of a model directory)."""
+    config = getattr(model_dir_or_engine, "config", None)
+    if not isinstance(config, dict):
+        config = _core.load_config(str(_model_dir(model_dir_or_engine)))
+    if not config.get("has_vision"):
+        raise InvalidArgumentError(f"model '{_model_dir(model_dir_or_engine)}' has no vision encoder: it cannot take images")
+    out = {"merge_size": int(config["vision"]["spatial_merge_size"])}
     for key in ("image_token_id", "vision_start_token_id", "vision_end_token_id"):
-        if key in cfg:
-            out[key] = int(cfg[key])
+        out[key] = int(config[key])
     return out
 
 

@@ -12,7 +12,7 @@ from typing import Any, Literal, overload
 import numpy as np
 
 from . import _core
-from .errors import FileError, InvalidArgumentError
+from .errors import FileError, InvalidArgumentError, ModelError
 
 Prompt = str | Sequence[int] | np.ndarray
 
@@ -286,13 +286,22 @@ def _load_tokenizer(model_dir: Path):  # -> tokenizers.Tokenizer | None
 
 
 def _eos_token_ids(model_dir: Path, config: dict[str, Any]) -> list[int]:
-    """End-of-sequence ids: generation_config.json first, then config.json."""
+    """End-of-sequence ids: generation_config.json first, then config.json (read and checked by the core)."""
     gen = model_dir / "generation_config.json"
     if gen.exists():
         try:
-            eos = json.loads(gen.read_text()).get("eos_token_id")
-        except (OSError, ValueError) as e:
+            data = json.loads(gen.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
             raise FileError(f"cannot read '{gen}': {e}") from e
+        if not isinstance(data, dict):
+            raise ModelError(f"'{gen}' must hold a JSON object, got {type(data).__name__}")
+        eos = data.get("eos_token_id")
         if eos is not None:
-            return [int(t) for t in (eos if isinstance(eos, list) else [eos])]
+            vocab = int(config["vocab_size"])
+            items = eos if isinstance(eos, list) else [eos]
+            for i, t in enumerate(items):
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                    key = f"eos_token_id[{i}]" if isinstance(eos, list) else "eos_token_id"
+                    raise ModelError(f"'{gen}': key '{key}' must be a token id in [0, {vocab - 1}], got {t!r}")
+            return [int(t) for t in items]
     return [int(t) for t in config.get("eos_token_ids", [])]

@@ -40,7 +40,7 @@ from typing import IO, Any, Union
 import numpy as np
 
 from .errors import FileError, InternalError, InvalidArgumentError, OcriaError
-from .preprocess import DEFAULT_MAX_IMAGE_PIXELS, ImageProcessorConfig, preprocess_image
+from .preprocess import DEFAULT_MAX_IMAGE_PIXELS, ImageProcessorConfig, decoder_error, preprocess_image
 
 PathLike = Union[str, os.PathLike]
 
@@ -77,6 +77,9 @@ class PageResult:
     image_tokens: int = 0
     image_size: tuple[int, int] | None = None  # (width, height) of the rendered / decoded page
     finish_reason: str | None = None  # "stop" (end token) or "length" (max_new_tokens)
+    # the class of the page's error: an OcriaError subclass ("FileError", "InvalidArgumentError", ...);
+    # another name means an unexpected exception (a bug), recorded so that the other pages go on
+    error_type: str | None = None
 
     @property
     def page_number(self) -> int:
@@ -194,7 +197,7 @@ class _Source:
     kind: str  # "pdf" or "image"
     num_pages: int
     pages: list[int]
-    page_error: str | None = None  # an image refused at open (too large): its one page fails with this
+    page_error: OcriaError | None = None  # an image refused at open (too large): its one page fails with this
 
 
 def _pdfium():
@@ -218,8 +221,8 @@ def _open_pdf(path: Path):  # -> pypdfium2.PdfDocument; call with _PDFIUM_LOCK h
         if getattr(e, "err_code", None) == pdfium.raw.FPDF_ERR_SECURITY:
             raise FileError(f"'{path}' uses an unsupported PDF security handler: ocria_rt cannot open it") from e
         raise FileError(f"cannot open PDF '{path}' (corrupt or not a PDF?): {e}") from e
-    except OSError as e:
-        raise FileError(f"cannot open PDF '{path}': {e.strerror or e}") from e
+    except Exception as e:  # noqa: BLE001 - OSError, or whatever else the binding raises
+        raise decoder_error(e, f"cannot open PDF '{path}'") from e
 
 
 def _pil():
@@ -242,8 +245,10 @@ def _open_image(path: Path):  # -> PIL.Image.Image (lazy: header only)
             raise FileError(
                 f"'{path}' is neither a PDF nor an image file Pillow can read (PNG, JPEG, TIFF, ...)"
             ) from e
-        except OSError as e:
-            raise FileError(f"cannot open image '{path}': {e.strerror or e}") from e
+        except Image.DecompressionBombError:
+            raise  # _inspect makes it the page's error
+        except Exception as e:  # noqa: BLE001 - whatever the decoder raises on a corrupt file
+            raise decoder_error(e, f"cannot open image '{path}'") from e
 
 
 def _inspect(path: Path, ranges: list[tuple[int, int | None]] | None) -> _Source:
@@ -279,15 +284,16 @@ def _inspect(path: Path, ranges: list[tuple[int, int | None]] | None) -> _Source
             im = _open_image(path)
         except Image.DecompressionBombError as e:
             # the file is an image, too large to decode: one page that fails
-            n, page_error = 1, f"image '{path}' is too large (Pillow's decompression-bomb guard): {e}"
+            n = 1
+            page_error = InvalidArgumentError(f"image '{path}' is too large (Pillow's decompression-bomb guard): {e}")
         else:
             with im:
                 try:
                     # the frames of a TIFF are pages; other multi-frame formats (MPO photos with a
                     # preview, animations) are read as their first frame
                     n = int(getattr(im, "n_frames", 1)) if im.format == "TIFF" else 1
-                except (OSError, EOFError, SyntaxError, ValueError) as e:
-                    raise FileError(f"cannot count the pages (frames) of image '{path}': {e}") from e
+                except Exception as e:  # noqa: BLE001
+                    raise decoder_error(e, f"cannot count the pages (frames) of image '{path}'") from e
     pages = select_pages(ranges, n)
     if not pages:
         raise InvalidArgumentError(f"the page selection matches no page of '{path}' ({n} page{'s' * (n != 1)})")
@@ -305,7 +311,7 @@ class _Prepared:
     image_grid_thw: np.ndarray | None = None
     image_size: tuple[int, int] | None = None
     preprocess_ms: float = 0.0
-    error: str | None = None
+    error: BaseException | None = None
 
 
 @dataclass
@@ -323,12 +329,11 @@ def _describe(e: BaseException) -> str:
 
 def _render_pdf_page(doc, src: _Source, i: int, opt: _Options):  # -> PIL.Image
     where = f"page {i + 1} of '{src.path}'"
-    pdfium = _pdfium()
     with _PDFIUM_LOCK:
         try:
             page = doc[i]
-        except pdfium.PdfiumError as e:
-            raise FileError(f"cannot load {where} (a broken page object?): {e}") from e
+        except Exception as e:  # noqa: BLE001 - PdfiumError, or whatever else the binding raises
+            raise decoder_error(e, f"cannot load {where} (a broken page object?)") from e
         try:
             w, h = page.get_size()
             if not (w > 0 and h > 0):
@@ -346,8 +351,10 @@ def _render_pdf_page(doc, src: _Source, i: int, opt: _Options):  # -> PIL.Image
                 im = im.convert("RGB") if im.mode != "RGB" else im.copy()  # own the pixels
             finally:
                 bitmap.close()
-        except pdfium.PdfiumError as e:
-            raise FileError(f"cannot render {where}: {e}") from e
+        except OcriaError:
+            raise
+        except Exception as e:  # noqa: BLE001 - PdfiumError, or whatever else the binding raises
+            raise decoder_error(e, f"cannot render {where}") from e
         finally:
             page.close()
     return im
@@ -359,8 +366,8 @@ def _image_frame(im, src: _Source, i: int, opt: _Options):  # -> PIL.Image
     where = f"page {i + 1} of '{src.path}'" if src.num_pages > 1 else f"image '{src.path}'"
     try:
         im.seek(i)
-    except (EOFError, OSError, ValueError) as e:
-        raise FileError(f"cannot read {where}: {e}") from e
+    except Exception as e:  # noqa: BLE001 - whatever the decoder raises on a corrupt file
+        raise decoder_error(e, f"cannot read {where}") from e
     w, h = im.size
     if opt.max_image_pixels is not None and w * h > opt.max_image_pixels:
         raise InvalidArgumentError(
@@ -369,13 +376,13 @@ def _image_frame(im, src: _Source, i: int, opt: _Options):  # -> PIL.Image
     try:
         im.load()
         frame = ImageOps.exif_transpose(im)  # as transformers' load_image does for files
-    except (OSError, SyntaxError, ValueError, EOFError) as e:
-        raise FileError(f"cannot decode {where} (truncated or corrupt?): {e}") from e
+    except Exception as e:  # noqa: BLE001
+        raise decoder_error(e, f"cannot decode {where} (truncated or corrupt?)") from e
     return frame if frame is not im else im.copy()
 
 
 def _pages_of(src: _Source, opt: _Options) -> Iterator[tuple[int, Any, float, str | None]]:
-    """(page index, PIL image or None, seconds spent, error) for the selected pages of one input."""
+    """(page index, PIL image or None, seconds spent, exception) for the selected pages of one input."""
     if src.page_error is not None:
         for i in src.pages:
             yield i, None, 0.0, src.page_error
@@ -393,7 +400,7 @@ def _pages_of(src: _Source, opt: _Options) -> Iterator[tuple[int, Any, float, st
             handle = _open_image(src.path)
     except Exception as e:  # noqa: BLE001 - the input changed since it was inspected
         for i in src.pages:
-            yield i, None, 0.0, _describe(e)
+            yield i, None, 0.0, e
         return
     opened = time.perf_counter() - t0
     try:
@@ -403,7 +410,7 @@ def _pages_of(src: _Source, opt: _Options) -> Iterator[tuple[int, Any, float, st
                 im = _render_pdf_page(handle, src, i, opt) if src.kind == "pdf" else _image_frame(handle, src, i, opt)
                 yield i, im, time.perf_counter() - t0 + opened, None
             except Exception as e:  # noqa: BLE001 - recorded for this page
-                yield i, None, time.perf_counter() - t0 + opened, _describe(e)
+                yield i, None, time.perf_counter() - t0 + opened, e
             opened = 0.0
     finally:
         if src.kind == "pdf":
@@ -447,7 +454,7 @@ class _Producer(threading.Thread):
                                 im, self.opt.cfg, backend=self.opt.backend, max_image_pixels=self.opt.max_image_pixels
                             )
                         except Exception as e:  # noqa: BLE001 - recorded for this page
-                            item.error = _describe(e)
+                            item.error = e
                         seconds += time.perf_counter() - t0
                     item.preprocess_ms = seconds * 1e3
                     if not self._put(item):
@@ -641,9 +648,10 @@ def parse(
 
 def _run_page(eng: Any, item: _Prepared, prompt: str, max_new_tokens: int, temperature: float,
               merge_size: int) -> PageResult:
-    page = PageResult(source=item.source.label, page_index=item.page_index, markdown=None, error=item.error,
+    page = PageResult(source=item.source.label, page_index=item.page_index, markdown=None, error=None,
                       preprocess_ms=item.preprocess_ms, image_size=item.image_size)
     if item.error is not None:
+        page.error, page.error_type = _describe(item.error), type(item.error).__name__
         return page
     from .chat import build_multimodal_prompt
 
@@ -663,7 +671,7 @@ def _run_page(eng: Any, item: _Prepared, prompt: str, max_new_tokens: int, tempe
             )
         r = eng.generate(ids, min(max_new_tokens, room), temperature=temperature, pixel_values=pv, image_grid_thw=grid)
     except OcriaError as e:
-        page.error = str(e)
+        page.error, page.error_type = str(e), type(e).__name__
         return page
     page.markdown = (r.text or "").strip()
     page.prefill_ms = r.prefill_seconds * 1e3

@@ -58,7 +58,7 @@ from typing import Any, Iterable, Sequence, Union
 
 import numpy as np
 
-from .errors import FileError, InvalidArgumentError, ModelError
+from .errors import FileError, InvalidArgumentError, ModelError, OcriaError, ResourceError
 
 try:  # Pillow is a runtime dependency of image input; fail with a clear message where it is missing
     from PIL import Image, ImageOps, UnidentifiedImageError
@@ -76,6 +76,12 @@ DEFAULT_MAX_IMAGE_PIXELS = 2**28
 
 #: smart_resize refuses images whose longer side is more than this many times the shorter one.
 MAX_ASPECT_RATIO = 200
+
+#: Bounds on the patch geometry of an image processor config, far above any real model (Qwen3.5:
+#: 16, 2, 2). Every patch is repeated temporal_patch_size times in pixel_values.
+MAX_PATCH_SIZE = 1024
+MAX_TEMPORAL_PATCH_SIZE = 16
+MAX_MERGE_SIZE = 64
 
 ImageLike = Union[str, os.PathLike, "Image.Image", np.ndarray]
 
@@ -137,44 +143,60 @@ class ImageProcessorConfig:
         base = cls()
         kw: dict[str, Any] = {}
 
-        def get_int(key: str, default: int) -> int:
-            v = d.get(key)
-            if v is None:
-                return default
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v or int(v) <= 0:
-                raise InvalidArgumentError(f"{source}: '{key}' must be a positive integer, got {v!r}")
+        def bad(key: str, expected: str, v: Any) -> InvalidArgumentError:
+            return InvalidArgumentError(f"{source}: key '{key}' must be {expected}, got {v!r}")
+
+        def is_number(v: Any) -> bool:  # finite; a JSON integer may have any number of digits
+            return isinstance(v, int) and not isinstance(v, bool) or isinstance(v, float) and math.isfinite(v)
+
+        def positive_int(key: str, v: Any, limit: int) -> int:
+            if not is_number(v) or int(v) != v or not 1 <= v <= limit:
+                raise bad(key, f"an integer in [1, {limit}]" if limit < 2**62 else "a positive integer below 2**62", v)
             return int(v)
+
+        def get_int(key: str, default: int, limit: int) -> int:
+            v = d.get(key)
+            return default if v is None else positive_int(key, v, limit)
 
         def get_bool(key: str, default: bool) -> bool:
             v = d.get(key)
-            return default if v is None else bool(v)
+            if v is None:
+                return default
+            if not isinstance(v, bool):
+                raise bad(key, "true or false", v)
+            return v
 
-        kw["patch_size"] = get_int("patch_size", base.patch_size)
-        kw["temporal_patch_size"] = get_int("temporal_patch_size", base.temporal_patch_size)
-        kw["merge_size"] = get_int("merge_size", base.merge_size)
+        kw["patch_size"] = get_int("patch_size", base.patch_size, MAX_PATCH_SIZE)
+        kw["temporal_patch_size"] = get_int("temporal_patch_size", base.temporal_patch_size, MAX_TEMPORAL_PATCH_SIZE)
+        kw["merge_size"] = get_int("merge_size", base.merge_size, MAX_MERGE_SIZE)
 
         size = d.get("size")
-        min_px: Any = base.min_pixels
-        max_px: Any = base.max_pixels
+        min_px: tuple[str, Any] = ("min_pixels", base.min_pixels)
+        max_px: tuple[str, Any] = ("max_pixels", base.max_pixels)
         if size is not None:
             if not isinstance(size, dict):
                 raise InvalidArgumentError(
-                    f"{source}: 'size' must be an object with 'shortest_edge' and 'longest_edge' "
+                    f"{source}: key 'size' must be an object with 'shortest_edge' and 'longest_edge' "
                     f"(pixel counts), got {size!r}"
                 )
-            min_px = size.get("shortest_edge", size.get("min_pixels", min_px))
-            max_px = size.get("longest_edge", size.get("max_pixels", max_px))
+            for key in ("min_pixels", "shortest_edge"):  # shortest_edge wins
+                if size.get(key) is not None:
+                    min_px = (f"size.{key}", size[key])
+            for key in ("max_pixels", "longest_edge"):
+                if size.get(key) is not None:
+                    max_px = (f"size.{key}", size[key])
         if d.get("min_pixels") is not None:
-            min_px = d["min_pixels"]
+            min_px = ("min_pixels", d["min_pixels"])
         if d.get("max_pixels") is not None:
-            max_px = d["max_pixels"]
-        for name, v in (("min_pixels", min_px), ("max_pixels", max_px)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v or int(v) <= 0:
-                raise InvalidArgumentError(f"{source}: '{name}' must be a positive integer, got {v!r}")
-        kw["min_pixels"], kw["max_pixels"] = int(min_px), int(max_px)
+            max_px = ("max_pixels", d["max_pixels"])
+        kw["min_pixels"] = positive_int(*min_px, 2**62)
+        if is_number(max_px[1]) and max_px[1] > 2**62:  # a huge upper bound means no limit
+            max_px = (max_px[0], 2**62)
+        kw["max_pixels"] = positive_int(*max_px, 2**62)
         if kw["min_pixels"] > kw["max_pixels"]:
             raise InvalidArgumentError(
-                f"{source}: min_pixels ({kw['min_pixels']}) is larger than max_pixels ({kw['max_pixels']})"
+                f"{source}: min_pixels ({kw['min_pixels']}, key '{min_px[0]}') is larger than max_pixels "
+                f"({kw['max_pixels']}, key '{max_px[0]}')"
             )
 
         kw["do_resize"] = get_bool("do_resize", base.do_resize)
@@ -182,23 +204,25 @@ class ImageProcessorConfig:
         kw["do_normalize"] = get_bool("do_normalize", base.do_normalize)
         kw["do_convert_rgb"] = get_bool("do_convert_rgb", base.do_convert_rgb)
         rf = d.get("rescale_factor")
+        if rf is not None and not (is_number(rf) and rf > 0):
+            raise bad("rescale_factor", "a finite number > 0", rf)
         kw["rescale_factor"] = base.rescale_factor if rf is None else float(rf)
 
         for key in ("image_mean", "image_std"):
             v = d.get(key)
             if v is None:
                 kw[key] = getattr(base, key)
-            elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            elif is_number(v):
                 kw[key] = (float(v),) * 3
-            elif isinstance(v, (list, tuple)) and len(v) == 3 and all(isinstance(x, (int, float)) for x in v):
+            elif isinstance(v, (list, tuple)) and len(v) == 3 and all(is_number(x) for x in v):
                 kw[key] = tuple(float(x) for x in v)
             else:
-                raise InvalidArgumentError(f"{source}: '{key}' must be a number or a list of 3 numbers, got {v!r}")
+                raise bad(key, "a finite number or a list of 3 finite numbers", v)
         if any(s == 0 for s in kw["image_std"]):
-            raise InvalidArgumentError(f"{source}: 'image_std' must not contain 0, got {kw['image_std']}")
+            raise InvalidArgumentError(f"{source}: key 'image_std' must not contain 0, got {kw['image_std']}")
 
         resample = d.get("resample")
-        if resample is not None and resample != 3:
+        if resample is not None and (isinstance(resample, bool) or resample != 3):
             # transformers would use another PIL filter; we only implement (and test) bicubic.
             raise InvalidArgumentError(
                 f"{source}: resample={resample!r} is not supported (only 3 = bicubic, the Qwen2-VL default)"
@@ -207,7 +231,21 @@ class ImageProcessorConfig:
         if backend is not None:
             kw["backend"] = _check_backend(backend, source)
         kw["extra"] = dict(d)
-        return cls(**kw)
+        cfg = cls(**kw)
+        cfg._check_pixel_range(source)
+        return cfg
+
+    def _check_pixel_range(self, source: str) -> None:
+        """The float32 pixels of both backends must stay finite for every uint8 input: with them the
+        rescale factor, mean and std (a tiny std or factor overflows float32)."""
+        extremes = np.array([[[0, 0, 0], [255, 255, 255]]], dtype=np.uint8)
+        with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+            finite = all(np.isfinite(_to_float(extremes, self, b)).all() for b in BACKENDS)
+        if not finite:
+            raise InvalidArgumentError(
+                f"{source}: rescale_factor {self.rescale_factor}, image_mean {list(self.image_mean)} and "
+                f"image_std {list(self.image_std)} turn some pixel values into inf or NaN in float32"
+            )
 
     @classmethod
     def from_model_dir(cls, model_dir: str | os.PathLike) -> "ImageProcessorConfig":
@@ -219,7 +257,7 @@ class ImageProcessorConfig:
         """
         path = Path(model_dir)
         if path.is_file():
-            return cls.from_dict(_read_json(path), source=str(path))
+            return cls.from_dict(_read_json(path), source=f"'{path}'")
         if not path.is_dir():
             raise FileError(f"model directory '{path}' does not exist")
         cfg: ImageProcessorConfig | None = None
@@ -227,17 +265,20 @@ class ImageProcessorConfig:
         if proc.is_file():
             pd = _read_json(proc)
             if isinstance(pd, dict) and isinstance(pd.get("image_processor"), dict):
-                cfg = cls.from_dict(pd["image_processor"], source=f"{proc} (image_processor)")
+                cfg = cls.from_dict(pd["image_processor"], source=f"'{proc}' (image_processor)")
         if cfg is None:
             pre = path / "preprocessor_config.json"
-            cfg = cls.from_dict(_read_json(pre), source=str(pre)) if pre.is_file() else cls()
+            cfg = cls.from_dict(_read_json(pre), source=f"'{pre}'") if pre.is_file() else cls()
         cfg._check_against_model_config(path / "config.json")
         return cfg
 
     def _check_against_model_config(self, config_json: Path) -> None:
         if not config_json.is_file():
             return
-        vc = _read_json(config_json).get("vision_config")
+        config = _read_json(config_json)
+        if not isinstance(config, dict):
+            raise ModelError(f"'{config_json}' must hold a JSON object, got {type(config).__name__}")
+        vc = config.get("vision_config")
         if not isinstance(vc, dict):
             return
         pairs = (
@@ -246,9 +287,14 @@ class ImageProcessorConfig:
             ("merge_size", "spatial_merge_size"),
         )
         for mine, theirs in pairs:
-            if theirs in vc and int(vc[theirs]) != getattr(self, mine):
+            v = vc.get(theirs)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ModelError(f"'{config_json}': key 'vision_config.{theirs}' must be an integer, got {v!r}")
+            if v != getattr(self, mine):
                 raise ModelError(
-                    f"{config_json}: vision_config.{theirs} = {vc[theirs]} but the image processor config "
+                    f"'{config_json}': key 'vision_config.{theirs}' is {v} but the image processor config "
                     f"says {mine} = {getattr(self, mine)}"
                 )
 
@@ -343,6 +389,20 @@ def _check_pixels(width: int, height: int, max_image_pixels: int | None, what: s
         )
 
 
+def decoder_error(e: Exception, message: str) -> OcriaError:
+    """The OcriaError for an exception a decoder (Pillow, pdfium) raised: corrupt data shows up as
+    OSError, SyntaxError, ValueError, but also TypeError, struct.error, IndexError, ... Ours pass
+    through; out of memory is a ResourceError; anything else is a FileError: `message`, then the
+    decoder's own words."""
+    if isinstance(e, OcriaError):
+        return e
+    if isinstance(e, MemoryError):
+        return ResourceError(f"{message}: out of memory")
+    detail = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+    return FileError(f"{message}: {detail or type(e).__name__}" if isinstance(e, OSError)
+                     else f"{message}: {type(e).__name__}: {detail}")
+
+
 def _open_path(path: Path, max_image_pixels: int | None) -> "Image.Image":
     what = f"image '{path}'"
     if not path.exists():
@@ -358,14 +418,14 @@ def _open_path(path: Path, max_image_pixels: int | None) -> "Image.Image":
         raise InvalidArgumentError(f"{what} is too large (Pillow's decompression-bomb guard): {e}") from e
     except UnidentifiedImageError as e:
         raise FileError(f"'{path}' is not an image file Pillow can read") from e
-    except OSError as e:
-        raise FileError(f"cannot open image '{path}': {e.strerror or e}") from e
+    except Exception as e:  # noqa: BLE001 - whatever the decoder raises on a corrupt file
+        raise decoder_error(e, f"cannot open image '{path}'") from e
     _check_pixels(im.width, im.height, max_image_pixels, what)
     try:
         im.load()
         im = ImageOps.exif_transpose(im)  # as transformers' load_image does for paths
-    except (OSError, SyntaxError, ValueError) as e:
-        raise FileError(f"cannot decode image '{path}' (truncated or corrupt?): {e}") from e
+    except Exception as e:  # noqa: BLE001
+        raise decoder_error(e, f"cannot decode image '{path}' (truncated or corrupt?)") from e
     return im
 
 
@@ -404,8 +464,8 @@ def load_image(image: ImageLike, max_image_pixels: int | None = DEFAULT_MAX_IMAG
     if im.mode != "RGB":
         try:
             im = im.convert("RGB")
-        except (OSError, ValueError) as e:
-            raise InvalidArgumentError(f"cannot convert a mode '{im.mode}' image to RGB: {e}") from e
+        except Exception as e:  # noqa: BLE001 - a lazily decoded image can fail here
+            raise decoder_error(e, f"cannot convert a mode '{im.mode}' image to RGB") from e
     return im
 
 
@@ -554,6 +614,13 @@ def preprocess_image(
     height, width = rgb.shape[:2]
     if cfg.do_resize:
         rh, rw = smart_resize(height, width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
+        # a config with a huge min_pixels or patch size must not upscale past the pixel guard either
+        limit = None if max_image_pixels is None else max(max_image_pixels, DEFAULT_MAX_IMAGE_PIXELS)
+        if limit is not None and rh * rw > limit:
+            raise InvalidArgumentError(
+                f"the image processor config (min_pixels {cfg.min_pixels}, patch_size * merge_size {cfg.factor}) "
+                f"resizes a {width}x{height} image to {rw}x{rh} = {rw * rh} pixels, over the limit of {limit}"
+            )
         if (rh, rw) != (height, width):
             resize = resize_bicubic_torch if backend == "torchvision" else resize_bicubic_pil
             rgb = resize(rgb, rh, rw)
