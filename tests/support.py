@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -40,3 +41,22 @@ def check_post_mailbox(runner) -> None:
     for steps, tag in [(12, 3), (3, 3), (3, -1)]:
         with pytest.raises(ocria_rt.errors.InternalError, match=f"no post tagged {tag} "):
             runner.post_steps(0, 0, steps, [tag], drain=True)
+
+
+def chi2_pvalue(counts, probs) -> float:
+    """Goodness of fit of counts to probs (cells of expected count < 5 pooled), Wilson-Hilferty."""
+    counts, probs = np.asarray(counts, float), np.asarray(probs, float)
+    n = counts.sum()
+    small = probs * n < 5
+    if small.any():
+        counts = np.append(counts[~small], counts[small].sum())
+        probs = np.append(probs[~small], probs[small].sum())
+    keep = probs > 0
+    assert counts[~keep].sum() == 0, "a draw outside the distribution's support"
+    counts, probs = counts[keep], probs[keep]
+    stat = float(((counts - n * probs) ** 2 / (n * probs)).sum())
+    k = len(counts) - 1
+    if k < 1:
+        return 1.0
+    z = ((stat / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
+    return 0.5 * math.erfc(z / math.sqrt(2))

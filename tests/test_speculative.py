@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import json
-import math
 import shutil
 from contextlib import redirect_stdout
 from functools import lru_cache
@@ -18,7 +17,7 @@ import pytest
 import ocria_rt
 import reference_ops as ref
 from ocria_rt import cli
-from support import FIXTURES, PACKAGE_MODELS
+from support import FIXTURES, PACKAGE_MODELS, chi2_pvalue
 
 DRAFTERS = FIXTURES / "drafters"
 REF = dict(np.load(DRAFTERS / "reference.npz"))
@@ -193,22 +192,6 @@ def test_cache_free_oracle(name):
         while accepted < B - 1 and forced[accepted] == target[accepted]:
             accepted += 1
         assert min(accepted + 1, n - 1 - j) == res.acceptance_lengths[step], f"step {step}"
-
-
-def chi2_pvalue(counts, probs) -> float:
-    """Goodness of fit of counts to probs (cells of expected count < 5 pooled), Wilson-Hilferty."""
-    counts, probs = np.asarray(counts, float), np.asarray(probs, float)
-    n = counts.sum()
-    small = probs * n < 5
-    if small.any():
-        counts = np.append(counts[~small], counts[small].sum())
-        probs = np.append(probs[~small], probs[small].sum())
-    assert counts[probs == 0].sum() == 0, "a sequence outside the distribution's support was drawn"
-    counts, probs = counts[probs > 0], probs[probs > 0]
-    stat = float(((counts - n * probs) ** 2 / (n * probs)).sum())
-    k = len(counts) - 1
-    z = ((stat / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
-    return 0.5 * math.erfc(z / math.sqrt(2))
 
 
 @pytest.mark.parametrize("name,forced", [("dflash_sliding", True), ("dflash2_tied", False)])

@@ -3,13 +3,11 @@ they stand in for; the acceptance rule's output distribution against the target'
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 
 import reference_ops as ref
-from support import relerr
+from support import chi2_pvalue, relerr
 from ocria_rt import _core
 
 TOL = 1e-5
@@ -22,25 +20,6 @@ def cpu():
 
 def randn(rng, *shape, scale=1.0):
     return (rng.standard_normal(shape) * scale).astype(np.float32)
-
-
-def chi2_pvalue(counts, probs) -> float:
-    """Goodness of fit of counts to probs (cells of expected count < 5 pooled), Wilson-Hilferty."""
-    counts, probs = np.asarray(counts, float), np.asarray(probs, float)
-    n = counts.sum()
-    small = probs * n < 5
-    if small.any():
-        counts = np.append(counts[~small], counts[small].sum())
-        probs = np.append(probs[~small], probs[small].sum())
-    keep = probs > 0
-    assert counts[~keep].sum() == 0, "a token outside the distribution's support was drawn"
-    counts, probs = counts[keep], probs[keep]
-    stat = float(((counts - n * probs) ** 2 / (n * probs)).sum())
-    k = len(counts) - 1
-    if k < 1:
-        return 1.0
-    z = ((stat / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
-    return 0.5 * math.erfc(z / math.sqrt(2))
 
 
 @pytest.mark.parametrize("hk,hv,dk,dv,T", [(2, 4, 16, 16, 8), (1, 3, 8, 24, 5), (2, 2, 32, 16, 16)])
