@@ -50,7 +50,8 @@ def test_cli_eval_scores_held_out_pages_like_the_python_api(tmp_path):
     # its pages: the model's training distribution, text source and font families (training.json)
     model = ocria_rt.default_model_dir()
     config, sources = heldout_page_config(model)
-    assert got["page_sources"]["fonts_used"] == sources["fonts_used"] == list(config.fonts)
+    assert got["page_sources"]["fonts_used"] == sources["fonts_used"] and len(config.fonts) == len(sources["fonts_used"])
+    assert got["page_config"]["fonts"] == sources["fonts_trained"] == list(config.fonts)
     assert "fonts found here" in r.stdout and "text: faker" in r.stdout
     expected = evaluate(ocria_rt.Engine(model), n_pages=2, seed=3, max_new_tokens=24, config=config)
     assert got["pages"] == 2 and [p["seed"] for p in got["per_page"]] == [p["seed"] for p in expected["per_page"]]
@@ -93,18 +94,21 @@ def test_cli_eval_refuses_a_machine_without_faker(tmp_path):
 
 
 def test_cli_eval_draws_with_the_recorded_fonts_and_warns_about_the_others(tmp_path):
-    from ocria_rt.synthdoc import family_records, text_source
+    from ocria_rt.synthdoc import family_records, fonts, text_source
 
     here = family_records("auto")
-    fonts = [here[0], {"family": "No Such Family", "sha256": "1" * 16}]
-    model = _vlm_with_training_json(tmp_path, SMALL_PAGES, text_source=text_source(), fonts=fonts)
+    absent = next(n for n in sorted(fonts.KNOWN_FAMILIES) if n not in {f["family"] for f in here})
+    recorded = [here[0], {"family": absent, "sha256": "1" * 16}]
+    model = _vlm_with_training_json(tmp_path, SMALL_PAGES, text_source=text_source(), fonts=recorded)
     out = tmp_path / "eval.json"
     r = cli("eval", "--model", str(model), "--pages", "1", "--max-new-tokens", "4", "--json", str(out))
     assert r.returncode == 0, r.stderr
-    assert "warning" in r.stderr and "lacks No Such Family" in r.stderr, r.stderr
+    sub = fonts.substitute(absent).name
+    assert "warning" in r.stderr and f"lacks {absent} (drawn with {sub} instead)" in r.stderr, r.stderr
     assert "fonts found here: " + ", ".join(f["family"] for f in here) in r.stdout, r.stdout
     got = json.loads(out.read_text())
-    assert got["page_config"]["fonts"] == [here[0]["family"]] and got["page_sources"]["fonts_missing"] == ["No Such Family"]
+    assert got["page_config"]["fonts"] == [here[0]["family"], absent]
+    assert got["page_sources"]["fonts_used"] == [here[0]["family"], sub]
 
 
 def test_cli_eval_uses_the_model_training_pages_and_the_flags(tmp_path):

@@ -4,9 +4,11 @@ any held-out page's Markdown or pixels fails here, because it changes the pages 
 and the figures measured on them.
 
 A page depends on the font families it may draw from, and those are not shipped: only Pillow's own
-font comes with a dependency. Cases drawn with it run everywhere. The DejaVu case draws with the
-families `ocria-rt eval` uses for ocria-mini on a Debian machine with fonts-dejavu (2.37-6, the CI
-image), pinned by their files' digests; it is skipped, naming the family, where those files are absent.
+font comes with a dependency. Cases drawn with it run everywhere. The "mini-trained" cases draw as
+`ocria-rt eval` does for ocria-mini: from its training machine's families (training.json), which on a
+Debian machine with fonts-dejavu 2.37-6 and no STIX (the CI image) are Debian's DejaVu files, STIX
+General drawn with DejaVu Serif; they are pinned by those files' digests and skipped, naming the family,
+where the families drawn differ.
 
 After an intended change, `python tests/test_page_hashes.py` prints the table to paste below.
 """
@@ -27,27 +29,31 @@ from ocria_rt.synthdoc import PageConfig, generate_page, page_seed
 PILLOW = synthdoc.fonts.PILLOW_FAMILY
 # ocria-mini's training distribution (its training.json), spelled out so a new model does not move it
 MINI = PageConfig(long_side=(320, 448), body_px=(64, 88), max_chars=150)
-DEJAVU = (PILLOW, "DejaVu Sans", "DejaVu Sans Mono", "DejaVu Serif")
-DEJAVU_DIGESTS = {"DejaVu Sans": "11046e47cc1adc19", "DejaVu Sans Mono": "eba7b07401965daf",
-                  "DejaVu Serif": "5b502722f391466f"}
+TRAINED = (PILLOW, "DejaVu Sans", "DejaVu Sans Mono", "DejaVu Serif", "STIX General")
+# family_records(TRAINED) where the hashes were recorded: the family drawing each slot and its files' digest
+DRAWN = [{"family": PILLOW, "sha256": None}, {"family": "DejaVu Sans", "sha256": "11046e47cc1adc19"},
+         {"family": "DejaVu Sans Mono", "sha256": "eba7b07401965daf"},
+         {"family": "DejaVu Serif", "sha256": "5b502722f391466f"}, {"family": "DejaVu Serif", "sha256": "5b502722f391466f"}]
 
 CASES: dict[str, tuple[int, PageConfig]] = {
     **{f"mini-pillow-{i}": (page_seed("heldout", i), synthdoc.with_overrides(MINI, fonts="pillow")) for i in range(3)},
     "mini-words": (page_seed("heldout", 0), synthdoc.with_overrides(MINI, fonts="pillow", use_faker=False)),
     "invoice-pillow": (page_seed("heldout", 5), PageConfig(layout="invoice", long_side=(640, 640), fonts="pillow")),
-    **{f"mini-dejavu-{i}": (page_seed("heldout", i), synthdoc.with_overrides(MINI, fonts=DEJAVU)) for i in range(3)},
+    # held-out pages 0, 1, 4, 5 fall to STIX General (its substitute here), DejaVu Sans, Serif, Sans Mono
+    **{f"mini-trained-{i}": (page_seed("heldout", i), synthdoc.with_overrides(MINI, fonts=TRAINED)) for i in (0, 1, 4, 5)},
 }
 
 # case: (sha256 of the Markdown, sha256 of the pixels), 16 hex digits each; recorded with faker 40.63.0,
 # Pillow 13.0.0 (FreeType 2.14.3, libjpeg-turbo 3.2.0), numpy 2.4.6
 EXPECTED = {
     "invoice-pillow": ('7e436a582401cdaf', 'fd4062819cc292b7'),
-    "mini-dejavu-0": ('b4e71d30f06df9f7', 'd0cc0401be12a765'),
-    "mini-dejavu-1": ('c29cd627ccfe4a44', 'b282f515c0b3e7f4'),
-    "mini-dejavu-2": ('c46cc4a95104ec8a', '84c2b5c5b2687f19'),
     "mini-pillow-0": ('5d6e20a32946ea39', 'd89dc198dd66b2e7'),
     "mini-pillow-1": ('b1b59fadd870a9db', '562336d28518a386'),
     "mini-pillow-2": ('35586dd13bdf664e', '58a82c0ef12f264c'),
+    "mini-trained-0": ('b8b2f328bc39a323', 'a51f7ec1c7ecce6e'),
+    "mini-trained-1": ('e4cc0cef6e218815', '097503a77fd1f0f0'),
+    "mini-trained-4": ('0d2a46c60d0b0df7', '08e8bb78e0a0861e'),
+    "mini-trained-5": ('eabcaef4d9bc7aff', '906c98f49d2ed78d'),
     "mini-words": ('fd95f18b977cfd90', '7cc08dc9c8c961a1'),
 }
 
@@ -68,13 +74,12 @@ def environment() -> str:
 def _skip_without_recorded_fonts(config: PageConfig) -> None:
     if not isinstance(config.fonts, tuple):
         return
-    here = {f["family"]: f["sha256"] for f in synthdoc.family_records("auto")}
-    for family in config.fonts:
-        if family != PILLOW and here.get(family) != DEJAVU_DIGESTS[family]:
-            found = "absent" if family not in here else f"other files (digest {here[family]})"
-            pytest.skip(f"{family}: the font files these hashes were recorded with (digest "
-                        f"{DEJAVU_DIGESTS[family]}, Debian fonts-dejavu 2.37-6) are {found} here; the page's "
-                        f"pixels and line breaks depend on them and they are not shipped")
+    here = synthdoc.family_records(config.fonts)
+    for name, want, got in zip(config.fonts, DRAWN, here):
+        if got != want:
+            pytest.skip(f"{name}: drawn here with {got['family']} (files {got['sha256']}), recorded with "
+                        f"{want['family']} (files {want['sha256']}, Debian fonts-dejavu 2.37-6): the page's pixels "
+                        f"and line breaks depend on these font files, which are not shipped")
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -206,10 +206,7 @@ def test_font_families_by_name():
     auto = synthdoc.available_families("auto")
     names = tuple(f.name for f in auto)
     assert synthdoc.available_families(names) == auto
-    assert synthdoc.available_families(tuple(reversed(names))) == auto, "the order is auto's, not the tuple's"
-    assert [f.name for f in synthdoc.available_families((names[0],))] == [names[0]]
-    with pytest.raises(ValueError, match="No Such Family"):
-        synthdoc.available_families((names[0], "No Such Family"))
+    assert synthdoc.available_families(tuple(reversed(names))) == tuple(reversed(auto)), "the tuple's order"
     records = synthdoc.family_records("auto")
     assert [r["family"] for r in records] == list(names)
     assert records[0]["sha256"] is None  # Pillow's own font
@@ -217,6 +214,23 @@ def test_font_families_by_name():
     # a page of a seed with only Pillow's family listed is the page of fonts="pillow"
     one = generate_page(7, PageConfig(render=False, fonts=(synthdoc.fonts.PILLOW_FAMILY,)))
     assert one[1:] == generate_page(7, PageConfig(render=False, fonts="pillow"))[1:]
+    with pytest.raises(ValueError, match="No Such Family"):
+        synthdoc.available_families((names[0], "No Such Family"))
+
+
+def test_a_missing_family_is_drawn_with_one_of_its_kind(monkeypatch):
+    from ocria_rt.synthdoc import fonts
+
+    found = fonts.available_families("auto")
+    # the machine without one of the families it has: the others keep their slots (and their pages)
+    monkeypatch.setattr(fonts, "available_families", lambda which="auto": found[:-1] if which == "auto" else None)
+    gone = found[-1].name
+    sub = fonts.substitute(gone)
+    assert sub.name != gone
+    same_kind = [f for f in found[1:-1] if fonts.family_kind(f.name) == fonts.family_kind(gone)]
+    assert sub == (same_kind[0] if same_kind else found[0])
+    assert fonts.family_kind("STIX General") == "serif" and fonts.family_kind("DejaVu Sans Mono") == "monospace"
+    assert fonts.family_kind(fonts.PILLOW_FAMILY) == fonts.family_kind("Roboto") == "sans-serif"
 
 
 def _model_dir(tmp_path, **record):
@@ -232,12 +246,14 @@ def test_heldout_page_config_follows_the_recorded_sources(tmp_path):
     assert cfg.long_side == (320, 352) and cfg.fonts == "auto" and cfg.use_faker
     assert rep["text_trained"] is None and rep["text_matches"] is None and rep["fonts_trained"] is None
     assert rep["fonts_used"] == [f["family"] for f in here]
-    # recorded: the same text source, a family found here with its files, one found with other files, one missing
-    fonts = [here[0], {"family": here[-1]["family"], "sha256": "0" * 16}, {"family": "No Such Family", "sha256": "1" * 16}]
+    # recorded: the same text source; Pillow's font, a family found here with other files, one missing here
+    absent = next(n for n in sorted(synthdoc.fonts.KNOWN_FAMILIES) if n not in {f["family"] for f in here})
+    fonts = [here[0], {"family": here[-1]["family"], "sha256": "0" * 16}, {"family": absent, "sha256": "1" * 16}]
     cfg, rep = synthdoc.heldout_page_config(_model_dir(tmp_path, text_source=synthdoc.text_source(), fonts=fonts))
     assert rep["text_matches"] is True
-    assert cfg.fonts == tuple(dict.fromkeys([here[0]["family"], here[-1]["family"]]))
-    assert rep["fonts_missing"] == ["No Such Family"]
+    assert cfg.fonts == (here[0]["family"], here[-1]["family"], absent)
+    sub = synthdoc.fonts.substitute(absent).name
+    assert rep["fonts_used"] == [here[0]["family"], here[-1]["family"], sub] and rep["fonts_missing"] == {absent: sub}
     assert rep["fonts_other_files"] == ([here[-1]["family"]] if len(here) > 1 else [])
     # another faker version, the word lists
     other = {"generator": "faker", "version": "0.0.1"}
@@ -251,6 +267,7 @@ def test_heldout_page_config_follows_the_recorded_sources(tmp_path):
     ({"text_source": {"generator": "lorem"}}, "unknown generator"),
     ({"fonts": []}, "fonts"),
     ({"fonts": [{"family": "DejaVu Sans", "sha256": 3}]}, "fonts"),
+    ({"fonts": [{"family": "No Such Family", "sha256": None}]}, "No Such Family"),
 ])
 def test_heldout_page_config_names_a_malformed_record(tmp_path, record, field):
     with pytest.raises(ValueError, match=field) as e:

@@ -194,14 +194,16 @@ def _check_page_sources(model_dir: Path, report: dict) -> None:
     if report["fonts_missing"] or report["fonts_other_files"]:
         lacks = []
         if report["fonts_missing"]:
-            lacks.append("lacks " + ", ".join(report["fonts_missing"]))
+            lacks.append("lacks " + ", ".join(f"{name} (drawn with {sub} instead)"
+                                              for name, sub in report["fonts_missing"].items()))
         if report["fonts_other_files"]:
             lacks.append("has other files of " + ", ".join(report["fonts_other_files"]))
         print(f"ocria-rt eval: warning: the model was trained with the font families "
-              f"{', '.join(report['fonts_trained'])}; this machine {' and '.join(lacks)}, so the held-out pages "
-              f"differ from the training machine's (families, glyphs, line breaks) and the CER from one measured "
-              f"there; found here: {', '.join(f['family'] for f in report['fonts_found'])} "
-              f"(OCRIA_SYNTHDOC_FONT_DIRS adds font folders)", file=sys.stderr)
+              f"{', '.join(report['fonts_trained'])}; this machine {' and '.join(lacks)}, so held-out pages "
+              f"that fall to those families differ from the training machine's (glyphs, line breaks) and the "
+              f"CER may differ from one measured there; found here: "
+              f"{', '.join(f['family'] for f in report['fonts_found'])} (OCRIA_SYNTHDOC_FONT_DIRS adds font "
+              f"folders)", file=sys.stderr)
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -256,9 +258,8 @@ def _eval(args: argparse.Namespace) -> int:
     print(f"text: {_describe_text(sources['text_here'])}{text_note}")
     print(f"fonts found here: {', '.join(f['family'] for f in sources['fonts_found'])}; pages drawn with "
           f"{', '.join(sources['fonts_used'])}"
-          + ("" if sources["fonts_trained"] else " (training.json records no families)")
-          + (f"; trained with {', '.join(sources['fonts_trained'])}"
-             if sources["fonts_trained"] and sources["fonts_trained"] != sources["fonts_used"] else ""))
+          + (f" (trained with {', '.join(sources['fonts_trained'])})" if sources["fonts_trained"]
+             else " (training.json records no families)"))
     return 0
 
 

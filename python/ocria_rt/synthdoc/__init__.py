@@ -142,12 +142,14 @@ def heldout_page_config(model_dir: str | Path) -> tuple[PageConfig, dict[str, An
     the model was trained on: (config, report).
 
     config: training_page_config (else synthdoc's defaults), drawing its text from the recorded source
-    and its fonts from the recorded families that exist here (all found families when none is recorded
-    or none exists here). report: text_trained / text_here (text_source() dicts; text_here None where
-    the needed generator is missing here), text_matches (None when nothing is recorded), fonts_trained
-    (recorded family names or None), fonts_found (family_records() here), fonts_used (names),
-    fonts_missing (recorded, not found here), fonts_other_files (found here with other files than
-    recorded). Raises ValueError naming training.json and the field when it is malformed."""
+    and its fonts from the recorded families in their order, a family missing here drawn with a found
+    one of its kind (fonts.substitute): a seed's page is then the training machine's wherever its family
+    is here with the same files (all found families when none is recorded).
+    report: text_trained / text_here (text_source() dicts; text_here None where the needed generator is
+    missing here), text_matches (None when nothing is recorded), fonts_trained (recorded names or None),
+    fonts_found (family_records() here), fonts_used (the family drawing each slot), fonts_missing
+    ({recorded family not found here: its substitute}), fonts_other_files (found here with other files
+    than recorded). Raises ValueError naming training.json and the field when it is malformed."""
     cfg = training_page_config(model_dir) or PageConfig()
     record = training_page_sources(model_dir) or {}
     path = Path(model_dir) / "training.json"
@@ -166,15 +168,19 @@ def heldout_page_config(model_dir: str | Path) -> tuple[PageConfig, dict[str, An
     found = family_records("auto")
     found_digest = {f["family"]: f["sha256"] for f in found}
     trained = record.get("fonts")
-    used = [f for f in trained or [] if f["family"] in found_digest]
-    if used:
-        cfg = with_overrides(cfg, fonts=tuple(f["family"] for f in used))
+    if trained is not None:
+        cfg = with_overrides(cfg, fonts=tuple(f["family"] for f in trained))
+    try:
+        drawn = available_families(cfg.fonts)
+    except ValueError as e:
+        raise ValueError(f'{path}: "fonts": {e}') from None
     report.update(
         fonts_trained=None if trained is None else [f["family"] for f in trained],
         fonts_found=found,
-        fonts_used=[f.name for f in available_families(cfg.fonts)],
-        fonts_missing=[f["family"] for f in trained or [] if f["family"] not in found_digest],
-        fonts_other_files=[f["family"] for f in used if f["sha256"] != found_digest[f["family"]]],
+        fonts_used=[f.name for f in drawn],
+        fonts_missing={f["family"]: d.name for f, d in zip(trained or [], drawn) if f["family"] not in found_digest},
+        fonts_other_files=[f["family"] for f in trained or []
+                           if f["family"] in found_digest and f["sha256"] != found_digest[f["family"]]],
     )
     return cfg, report
 

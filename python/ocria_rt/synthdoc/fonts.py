@@ -14,9 +14,10 @@ makes the family report ``has_italic = False`` and the generator then uses no it
 Which families exist depends on the machine, and so does a page: the family of a seed is drawn from
 the families found, and a family's glyph widths decide line breaks, hence where the character budget
 ends the text, and which characters are transliterated. ``PageConfig(fonts="pillow")`` restricts a
-page to Pillow's font (the same wherever Pillow is); ``PageConfig(fonts=(names...))`` to those of the
-families found whose names are listed, which gives a seed the pages of a machine that had exactly
-those families (with the same files: :func:`family_records` names them and digests their files).
+page to Pillow's font (the same wherever Pillow is). ``PageConfig(fonts=(names...))`` draws from the
+named families in that order, as a machine that had exactly those would (:func:`family_records`
+names them and digests their files); a named family missing here is drawn with a found one of its
+kind (serif, sans-serif, monospace; else Pillow's font), so only the pages that fall to it differ.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ KNOWN_FAMILIES: dict[str, tuple[str, str | None, str | None, str | None]] = {
     "Roboto": ("Roboto-Regular.ttf", "Roboto-Bold.ttf", "Roboto-Italic.ttf", "Roboto-BoldItalic.ttf"),
 }
 MONOSPACE = {"DejaVu Sans Mono", "Liberation Mono"}
+SERIF = {"DejaVu Serif", "DejaVu Serif Condensed", "STIX General", "Liberation Serif", "FreeSerif", "Noto Serif"}
 PILLOW_FAMILY = "Pillow default (Aileron)"
 
 # Replacements for characters a face lacks (after which NFKD + dropping combining marks is tried).
@@ -193,19 +195,16 @@ class FontFamily:
 def available_families(which: str | tuple[str, ...] = "auto") -> tuple[FontFamily, ...]:
     """The families usable here: Pillow's font first, then the system families found (sorted by name).
 
-    which: "auto" (all), "pillow" (Pillow's bundled font only) or a tuple of family names: the families
-    of "auto" whose names it lists, in "auto"'s order (ValueError naming those not found here).
+    which: "auto" (all), "pillow" (Pillow's bundled font only) or a tuple of family names: one family
+    per name, in the tuple's order, a name not found here standing for its substitute (:func:`substitute`).
     """
     if not freetype_available():
         raise RuntimeError("Pillow was built without FreeType: synthdoc needs scalable fonts")
     if isinstance(which, tuple):
         if not which:
             raise ValueError("fonts: an empty tuple names no font family")
-        found = available_families("auto")
-        missing = sorted(set(which) - {f.name for f in found})
-        if missing:
-            raise ValueError(f"font families {missing} not found here (found: {[f.name for f in found]})")
-        return tuple(f for f in found if f.name in which)
+        found = {f.name: f for f in available_families("auto")}
+        return tuple(found[name] if name in found else substitute(name) for name in which)
     fams = [FontFamily(PILLOW_FAMILY, None, charset=face_charset(None))]
     if which == "pillow":
         return tuple(fams)
@@ -226,6 +225,22 @@ def available_families(which: str | tuple[str, ...] = "auto") -> tuple[FontFamil
             continue
         fams.append(FontFamily(name, paths[0], paths[1], paths[2], paths[3], name in MONOSPACE, cs))
     return tuple(fams)
+
+
+def family_kind(name: str) -> str:
+    """"monospace", "serif" or "sans-serif" for a known family; ValueError for another name."""
+    if name == PILLOW_FAMILY:
+        return "sans-serif"
+    if name not in KNOWN_FAMILIES:
+        raise ValueError(f"unknown font family {name!r}; synthdoc knows {[PILLOW_FAMILY, *sorted(KNOWN_FAMILIES)]}")
+    return "monospace" if name in MONOSPACE else "serif" if name in SERIF else "sans-serif"
+
+
+def substitute(name: str) -> FontFamily:
+    """What draws a family that is not found here: the first family found of its kind, else Pillow's font."""
+    kind = family_kind(name)
+    found = available_families("auto")
+    return next((f for f in found[1:] if family_kind(f.name) == kind), found[0])
 
 
 @lru_cache(maxsize=64)
