@@ -14,7 +14,8 @@
 #
 # Dependencies the machine lacks come as wheels in .wheels/ (nvidia-cutlass for the CUTLASS headers,
 # flash-linear-attention + fla-core for the benchmark peer, pypdfium2 for the tests that parse the
-# shipped sample PDF); everything else (torch, transformers,
+# shipped sample PDF, faker at the version pyproject.toml pins for the generated pages of the tests and
+# bench/vision.py); everything else (torch, transformers,
 # numpy, pybind11, scikit-build-core, cmake, ninja, nvcc) must already be there.
 set -uo pipefail
 OUT_DIR=${1:?usage: bench/device_run.sh OUT_DIR [steps...]}

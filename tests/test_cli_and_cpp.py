@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -38,32 +40,79 @@ def test_cli_json_matches_python_api():
 
 
 def test_cli_eval_scores_held_out_pages_like_the_python_api(tmp_path):
-    from ocria_rt.synthdoc import evaluate, training_page_config
+    from ocria_rt.synthdoc import evaluate, heldout_page_config
 
     out = tmp_path / "eval.json"
     r = cli("eval", "--pages", "2", "--max-new-tokens", "24", "--json", str(out), "--seed", "3")
     assert r.returncode == 0, r.stderr
     assert "held-out pages" in r.stdout and "CER" in r.stdout
     got = json.loads(out.read_text())
-    model = ocria_rt.default_model_dir()  # its pages: the model's training distribution (training.json)
-    expected = evaluate(ocria_rt.Engine(model), n_pages=2, seed=3, max_new_tokens=24, config=training_page_config(model))
+    # its pages: the model's training distribution, text source and font families (training.json)
+    model = ocria_rt.default_model_dir()
+    config, sources = heldout_page_config(model)
+    assert got["page_sources"]["fonts_used"] == sources["fonts_used"] and len(config.fonts) == len(sources["fonts_used"])
+    assert got["page_config"]["fonts"] == sources["fonts_trained"] == list(config.fonts)
+    assert "fonts found here" in r.stdout and "text: faker" in r.stdout
+    expected = evaluate(ocria_rt.Engine(model), n_pages=2, seed=3, max_new_tokens=24, config=config)
     assert got["pages"] == 2 and [p["seed"] for p in got["per_page"]] == [p["seed"] for p in expected["per_page"]]
     assert got["cer"] == pytest.approx(expected["cer"]) and got["tables"] == expected["tables"]
     assert all(p["seed"] % 2 == 1 for p in got["per_page"]), "held-out pages have odd seeds"
 
 
-def _vlm_with_training_json(tmp_path: Path, data) -> Path:
+def _vlm_with_training_json(tmp_path: Path, data, **record) -> Path:
     """The shipped model (ocria-mini) plus the training.json an exported training checkpoint carries."""
     d = tmp_path / "vlm"
     shutil.copytree(ocria_rt.default_model_dir(), d)
-    (d / "training.json").write_text(json.dumps({"preset": "small", "step": 1, "data": data}))
+    (d / "training.json").write_text(json.dumps({"preset": "small", "step": 1, "data": data, **record}))
     return d
 
 
+SMALL_PAGES = {"long_side": [320, 352], "aspect": [1.25, 1.45], "landscape": 0.0, "body_px": [40, 56],
+               "chars": [20, 90], "noise": 0.5, "locales": None}
+
+
+@pytest.mark.parametrize("text_source, match", [
+    ({"generator": "faker", "version": "0.0.1"}, "faker 0.0.1.*pip install faker==0.0.1"),
+    ({"generator": "synthdoc word lists", "sha256": "0" * 16}, "synthdoc word lists"),
+])
+def test_cli_eval_refuses_another_text_source(tmp_path, text_source, match):
+    model = _vlm_with_training_json(tmp_path, SMALL_PAGES, text_source=text_source)
+    r = cli("eval", "--model", str(model), "--pages", "1", "--max-new-tokens", "4")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert re.search(match, r.stderr) and "training.json" in r.stderr and "CER" in r.stderr, r.stderr
+
+
+def test_cli_eval_refuses_a_machine_without_faker(tmp_path):
+    # faker hidden: a package of that name earlier on the path that fails to import
+    (tmp_path / "hide" / "faker").mkdir(parents=True)
+    (tmp_path / "hide" / "faker" / "__init__.py").write_text("raise ImportError('hidden for the test')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "hide"), os.environ.get("PYTHONPATH")]))}
+    r = subprocess.run([sys.executable, "-m", "ocria_rt.cli", "eval", "--pages", "1", "--max-new-tokens", "4"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "faker 40.63.0, which is not installed" in r.stderr and "pip install faker==40.63.0" in r.stderr, r.stderr
+
+
+def test_cli_eval_draws_with_the_recorded_fonts_and_warns_about_the_others(tmp_path):
+    from ocria_rt.synthdoc import family_records, fonts, text_source
+
+    here = family_records("auto")
+    absent = next(n for n in sorted(fonts.KNOWN_FAMILIES) if n not in {f["family"] for f in here})
+    recorded = [here[0], {"family": absent, "sha256": "1" * 16}]
+    model = _vlm_with_training_json(tmp_path, SMALL_PAGES, text_source=text_source(), fonts=recorded)
+    out = tmp_path / "eval.json"
+    r = cli("eval", "--model", str(model), "--pages", "1", "--max-new-tokens", "4", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    sub = fonts.substitute(absent).name
+    assert "warning" in r.stderr and f"lacks {absent} (drawn with {sub} instead)" in r.stderr, r.stderr
+    assert "fonts found here: " + ", ".join(f["family"] for f in here) in r.stdout, r.stdout
+    got = json.loads(out.read_text())
+    assert got["page_config"]["fonts"] == [here[0]["family"], absent]
+    assert got["page_sources"]["fonts_used"] == [here[0]["family"], sub]
+
+
 def test_cli_eval_uses_the_model_training_pages_and_the_flags(tmp_path):
-    data = {"long_side": [320, 352], "aspect": [1.25, 1.45], "landscape": 0.0, "body_px": [40, 56],
-            "chars": [20, 90], "noise": 0.5, "locales": None}
-    model = _vlm_with_training_json(tmp_path, data)
+    model = _vlm_with_training_json(tmp_path, SMALL_PAGES)
     out = tmp_path / "eval.json"
     r = cli("eval", "--model", str(model), "--pages", "3", "--max-new-tokens", "4", "--json", str(out))
     assert r.returncode == 0, r.stderr

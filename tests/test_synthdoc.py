@@ -1,9 +1,11 @@
 """The synthetic document generator (ocria_rt.synthdoc): determinism, Markdown that round-trips, splits,
-speed per layout, and the scoring functions. Needs numpy and Pillow; faker only for its own test."""
+speed per layout, text sources and font families, and the scoring functions. Needs numpy, Pillow and
+faker (dependencies of ocria-rt). test_page_hashes.py pins the pages of fixed seeds."""
 
 from __future__ import annotations
 
 import html
+import json
 import random
 import re
 import time
@@ -185,7 +187,94 @@ def test_builtin_words_without_faker():
     assert not meta["faker"] and len(md) > 100
 
 
-@pytest.mark.skipif(not synthdoc.faker_available(), reason="faker is not installed")
+def test_asking_for_faker_without_it_is_an_error_not_other_text(monkeypatch):
+    from ocria_rt.synthdoc import text
+
+    words = synthdoc.text_source(use_faker=False)
+    assert words["generator"] == "synthdoc word lists" and len(words["sha256"]) == 16
+    assert synthdoc.text_source()["generator"] == "faker"
+    monkeypatch.setattr(text, "_faker_mod", None)
+    with pytest.raises(synthdoc.TextSourceMissing, match="faker"):
+        generate_page(4, PageConfig(render=False))
+    with pytest.raises(synthdoc.TextSourceMissing):
+        synthdoc.page_sources()
+    _, md, meta = generate_page(4, PageConfig(render=False, use_faker=False))
+    assert md and not meta["faker"]
+
+
+def test_font_families_by_name():
+    auto = synthdoc.available_families("auto")
+    names = tuple(f.name for f in auto)
+    assert synthdoc.available_families(names) == auto
+    assert synthdoc.available_families(tuple(reversed(names))) == tuple(reversed(auto)), "the tuple's order"
+    records = synthdoc.family_records("auto")
+    assert [r["family"] for r in records] == list(names)
+    assert records[0]["sha256"] is None  # Pillow's own font
+    assert all(len(r["sha256"]) == 16 for r in records[1:])
+    # a page of a seed with only Pillow's family listed is the page of fonts="pillow"
+    one = generate_page(7, PageConfig(render=False, fonts=(synthdoc.fonts.PILLOW_FAMILY,)))
+    assert one[1:] == generate_page(7, PageConfig(render=False, fonts="pillow"))[1:]
+    with pytest.raises(ValueError, match="No Such Family"):
+        synthdoc.available_families((names[0], "No Such Family"))
+
+
+def test_a_missing_family_is_drawn_with_one_of_its_kind(monkeypatch):
+    from ocria_rt.synthdoc import fonts
+
+    found = fonts.available_families("auto")
+    # the machine without one of the families it has: the others keep their slots (and their pages)
+    monkeypatch.setattr(fonts, "available_families", lambda which="auto": found[:-1] if which == "auto" else None)
+    gone = found[-1].name
+    sub = fonts.substitute(gone)
+    assert sub.name != gone
+    same_kind = [f for f in found[1:-1] if fonts.family_kind(f.name) == fonts.family_kind(gone)]
+    assert sub == (same_kind[0] if same_kind else found[0])
+    assert fonts.family_kind("STIX General") == "serif" and fonts.family_kind("DejaVu Sans Mono") == "monospace"
+    assert fonts.family_kind(fonts.PILLOW_FAMILY) == fonts.family_kind("Roboto") == "sans-serif"
+
+
+def _model_dir(tmp_path, **record):
+    data = {"long_side": [320, 352], "body_px": [40, 56], "chars": [20, 90]}
+    (tmp_path / "training.json").write_text(json.dumps({"data": data, **record}))
+    return tmp_path
+
+
+def test_heldout_page_config_follows_the_recorded_sources(tmp_path):
+    here = synthdoc.family_records("auto")
+    # nothing recorded: the training distribution, faker, every family found
+    cfg, rep = synthdoc.heldout_page_config(_model_dir(tmp_path))
+    assert cfg.long_side == (320, 352) and cfg.fonts == "auto" and cfg.use_faker
+    assert rep["text_trained"] is None and rep["text_matches"] is None and rep["fonts_trained"] is None
+    assert rep["fonts_used"] == [f["family"] for f in here]
+    # recorded: the same text source; Pillow's font, a family found here with other files, one missing here
+    absent = next(n for n in sorted(synthdoc.fonts.KNOWN_FAMILIES) if n not in {f["family"] for f in here})
+    fonts = [here[0], {"family": here[-1]["family"], "sha256": "0" * 16}, {"family": absent, "sha256": "1" * 16}]
+    cfg, rep = synthdoc.heldout_page_config(_model_dir(tmp_path, text_source=synthdoc.text_source(), fonts=fonts))
+    assert rep["text_matches"] is True
+    assert cfg.fonts == (here[0]["family"], here[-1]["family"], absent)
+    sub = synthdoc.fonts.substitute(absent).name
+    assert rep["fonts_used"] == [here[0]["family"], here[-1]["family"], sub] and rep["fonts_missing"] == {absent: sub}
+    assert rep["fonts_other_files"] == ([here[-1]["family"]] if len(here) > 1 else [])
+    # another faker version, the word lists
+    other = {"generator": "faker", "version": "0.0.1"}
+    assert synthdoc.heldout_page_config(_model_dir(tmp_path, text_source=other))[1]["text_matches"] is False
+    cfg, rep = synthdoc.heldout_page_config(_model_dir(tmp_path, text_source=synthdoc.text_source(use_faker=False)))
+    assert not cfg.use_faker and rep["text_matches"] is True
+
+
+@pytest.mark.parametrize("record, field", [
+    ({"text_source": "faker"}, "text_source"),
+    ({"text_source": {"generator": "lorem"}}, "unknown generator"),
+    ({"fonts": []}, "fonts"),
+    ({"fonts": [{"family": "DejaVu Sans", "sha256": 3}]}, "fonts"),
+    ({"fonts": [{"family": "No Such Family", "sha256": None}]}, "No Such Family"),
+])
+def test_heldout_page_config_names_a_malformed_record(tmp_path, record, field):
+    with pytest.raises(ValueError, match=field) as e:
+        synthdoc.heldout_page_config(_model_dir(tmp_path, **record))
+    assert "training.json" in str(e.value)
+
+
 def test_faker_locales():
     metas = [generate_page(page_seed("train", i, 2), PageConfig(render=False))[2] for i in range(40)]
     assert all(m["faker"] for m in metas)

@@ -8,6 +8,7 @@ from . import _core as _core
 from .engine import Engine, GenerationResult
 from .pipeline import Document, PageResult, parse
 from .errors import (
+    DependencyError,
     DeviceError,
     FileError,
     InternalError,
@@ -59,6 +60,7 @@ __all__ = [
     "ModelError",
     "ResourceError",
     "DeviceError",
+    "DependencyError",
     "InternalError",
     "build_info",
     "default_model_dir",

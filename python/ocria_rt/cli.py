@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from .errors import OcriaError
 
@@ -176,13 +177,51 @@ def _score_sample(doc, truth_path) -> None:
               file=sys.stderr)
 
 
+def _describe_text(source: dict[str, str]) -> str:
+    if source["generator"] == "faker":
+        return f"faker {source.get('version', '?')}"
+    return f"{source['generator']} ({', '.join(f'{k} {v}' for k, v in source.items() if k != 'generator')})"
+
+
+def _check_page_sources(model_dir: Path, report: dict) -> None:
+    """Refuses a machine that cannot draw the text of the model's held-out pages; warns (stderr) where its
+    font families differ from the training machine's."""
+    from .errors import DependencyError
+
+    where = model_dir / "training.json"
+    trained, here = report["text_trained"], report["text_here"]
+    fix = (f"pip install faker=={trained['version']}" if trained and trained["generator"] == "faker" and "version" in trained
+           else "install ocria-rt with its dependencies")
+    if here is None:
+        what = _describe_text(trained) if trained else "faker"
+        raise DependencyError(f"{where}: the held-out pages take their text from {what}, which is not installed "
+                              f"here ({fix}); other text would make the CER incomparable")
+    if report["text_matches"] is False:
+        raise DependencyError(f"{where}: the model was trained on pages with text from {_describe_text(trained)}; "
+                              f"this machine has {_describe_text(here)}, whose pages of the same seeds are other "
+                              f"text, so the CER would not be comparable ({fix})")
+    if report["fonts_missing"] or report["fonts_other_files"]:
+        lacks = []
+        if report["fonts_missing"]:
+            lacks.append("lacks " + ", ".join(f"{name} (drawn with {sub} instead)"
+                                              for name, sub in report["fonts_missing"].items()))
+        if report["fonts_other_files"]:
+            lacks.append(f"has other files of {', '.join(report['fonts_other_files'])} (which may draw other glyphs)")
+        print(f"ocria-rt eval: warning: the model was trained with the font families "
+              f"{', '.join(report['fonts_trained'])}; this machine {' and '.join(lacks)}, so held-out pages "
+              f"that fall to those families may differ from the training machine's (glyphs, line breaks) and "
+              f"the CER from one measured there; found here: "
+              f"{', '.join(f['family'] for f in report['fonts_found'])} (OCRIA_SYNTHDOC_FONT_DIRS adds font "
+              f"folders)", file=sys.stderr)
+
+
 def _eval(args: argparse.Namespace) -> int:
     import dataclasses
     import os
 
     from . import Engine, default_model_dir
     from .errors import InvalidArgumentError, ModelError
-    from .synthdoc import PageConfig, evaluate, training_page_config, with_overrides
+    from .synthdoc import evaluate, heldout_page_config, with_overrides
 
     if args.pages < 1:
         raise InvalidArgumentError(f"--pages must be at least 1, got {args.pages}")
@@ -193,25 +232,27 @@ def _eval(args: argparse.Namespace) -> int:
             raise InvalidArgumentError(f"{name} needs {low} <= LO <= HI, got {pair[0]} {pair[1]}")
     if args.max_chars is not None and args.max_chars < 1:
         raise InvalidArgumentError(f"--max-chars must be at least 1, got {args.max_chars}")
-    eng = Engine(args.model or default_model_dir(), device=args.device, num_threads=args.threads, drafter=args.drafter)
-    if not eng.config.get("has_vision"):
-        raise InvalidArgumentError(f"model '{eng.model_dir}' has no vision encoder: eval needs a VLM")
-    # The pages: the model's own training distribution when its directory says (training.json), else
-    # synthdoc's defaults; the flags replace single fields of either.
+    model_dir = Path(args.model) if args.model else default_model_dir()
+    # The pages: the model's own training distribution, text source and font families when its directory
+    # says (training.json), else synthdoc's defaults; the flags replace single fields.
     try:
-        cfg = training_page_config(eng.model_dir)
+        cfg, sources = heldout_page_config(model_dir)
     except ValueError as e:
         raise ModelError(str(e)) from None
-    source = "synthdoc's defaults" if cfg is None else "the model's training pages (training.json)"
+    _check_page_sources(model_dir, sources)
+    trained = (model_dir / "training.json").is_file()
+    source = "the model's training pages (training.json)" if trained else "synthdoc's defaults"
     overrides = {k: v for k, v in (("long_side", args.long_side), ("body_px", args.body_px),
                                    ("max_chars", args.max_chars)) if v is not None}
     if overrides:
         cfg = with_overrides(cfg, **{k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()})
         source += ", " + ", ".join(f"{k} {v}" for k, v in overrides.items())
-    cfg = cfg or PageConfig()
+    eng = Engine(model_dir, device=args.device, num_threads=args.threads, drafter=args.drafter)
+    if not eng.config.get("has_vision"):
+        raise InvalidArgumentError(f"model '{eng.model_dir}' has no vision encoder: eval needs a VLM")
     r = evaluate(eng, n_pages=args.pages, seed=args.seed, config=cfg, max_new_tokens=args.max_new_tokens,
                  progress=args.progress)
-    r.update(model=str(eng.model_dir), device=str(eng.device), pages_from=source,
+    r.update(model=str(eng.model_dir), device=str(eng.device), pages_from=source, page_sources=sources,
              page_config={k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()})
     if args.json:
         os.replace(_write_atomic(args.json, json.dumps(r, indent=1) + "\n"), args.json)
@@ -222,6 +263,12 @@ def _eval(args: argparse.Namespace) -> int:
     print("by layout: " + ", ".join(f"{name} {100 * v['cer']:.1f}% ({v['pages']})" for name, v in r["by_layout"].items()))
     print(f"pages: {source}: long side {cfg.long_side[0]}-{cfg.long_side[1]} px, body {cfg.body_px[0]}-{cfg.body_px[1]} px"
           + (f", at most {cfg.max_chars} characters" if cfg.max_chars else ""))
+    text_note = "" if sources["text_trained"] else " (training.json records none: unchecked)"
+    print(f"text: {_describe_text(sources['text_here'])}{text_note}")
+    print(f"fonts found here: {', '.join(f['family'] for f in sources['fonts_found'])}; pages drawn with "
+          f"{', '.join(sources['fonts_used'])}"
+          + (f" (trained with {', '.join(sources['fonts_trained'])})" if sources["fonts_trained"]
+             else " (training.json records no families)"))
     return 0
 
 

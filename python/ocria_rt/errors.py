@@ -25,6 +25,11 @@ class DeviceError(OcriaError, RuntimeError):
     """The accelerator is unavailable or its runtime failed (or CUDA support was not built)."""
 
 
+class DependencyError(OcriaError, RuntimeError):
+    """A package or resource the operation relies on is missing here or differs from the one it needs
+    (e.g. the text source a model's held-out pages were generated with)."""
+
+
 class InternalError(OcriaError, RuntimeError):
     """A bug in ocria_rt; please report it."""
 
@@ -36,5 +41,6 @@ __all__ = [
     "ModelError",
     "ResourceError",
     "DeviceError",
+    "DependencyError",
     "InternalError",
 ]

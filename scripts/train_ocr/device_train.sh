@@ -13,8 +13,8 @@
 #
 # Wheels come from .wheels/ (flash-linear-attention + fla-core: the Gated DeltaNet kernels; faker: page
 # text), installed with --no-index --no-deps --target /tmp/site; torch, transformers, tokenizers,
-# safetensors, numpy and Pillow must already be on the machine. A missing wheel is not fatal: without
-# fla transformers runs its torch reference (slower), without faker the generator uses its word lists.
+# safetensors, numpy and Pillow must already be on the machine. Without fla transformers runs its torch
+# reference (slower); without faker (the version pyproject.toml pins) train.py stops before its first step.
 #
 # Example (a device call on an nvidia-h200-x2 machine, carrying the wheels and the previous checkpoint):
 #   run(command="scripts/train_ocr/device_train.sh $OUT/run 8.5 .ckpt/ckpt", kind="nvidia-h200-x2",
@@ -39,7 +39,7 @@ if [ -n "$wheels" ]; then
     || echo "device_train: wheel install failed; going on without them"
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 else
-  echo "device_train: no wheels in .wheels/ (fla, faker): torch GDN reference and built-in word lists"
+  echo "device_train: no wheels in .wheels/ (fla, faker): torch GDN reference; page text needs faker"
 fi
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1

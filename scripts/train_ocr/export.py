@@ -68,10 +68,15 @@ def export(ckpt_dir: Path, out: Path, max_mb: float = 25.0) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     info = {"dir": str(out), "bytes": total, "params": n_params, "step": state["run"]["step"],
             "files": {p.name: p.stat().st_size for p in files}}
+    if "page_sources" not in state:
+        print(f"warning: {ckpt_dir} does not say what its pages' text and fonts came from (a checkpoint from "
+              f"before train.py recorded it): training.json gets no text_source / fonts and ocria-rt eval "
+              f"cannot check them", file=sys.stderr)
     (out / "training.json").write_text(json.dumps({
         "preset": state.get("preset"), "step": state["run"]["step"], "pages": state["run"]["pages"],
         "tokens": state["run"]["tokens"], "train_seconds": round(state["run"]["train_seconds"], 1),
         "runs": state["run"]["runs"], "params": n_params, "data": state["data"], "schedule": state["schedule"],
+        **state.get("page_sources", {}),
     }, indent=1) + "\n")
     return info
 
@@ -99,7 +104,7 @@ def check_export(model_dir: Path, page_seed: int | None = None, n_tokens: int = 
 
     model_dir = Path(model_dir)
     seed = synthdoc.page_seed("heldout", 0) if page_seed is None else page_seed
-    image, ref, meta = synthdoc.generate_page(seed, synthdoc.training_page_config(model_dir))
+    image, ref, meta = synthdoc.generate_page(seed, synthdoc.heldout_page_config(model_dir)[0])
     msgs = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": DEFAULT_PROMPT}]}]
     eng = ocria_rt.Engine(model_dir, device="cpu", num_threads=threads)
     ids, pv, grid = build_multimodal_prompt(eng, msgs)
@@ -169,7 +174,7 @@ def write_sample(model_dir: Path, out: Path, n_pages: int = 4) -> dict:
     """The package's sample document: the first `n_pages` held-out pages (seed 0) of the model's training
     distribution as one PDF at 72 dpi (a page's size in points is its image's size in pixels), and their
     Markdown (sample.json), so that ``ocria-rt parse --sample`` can score what it printed."""
-    cfg = synthdoc.training_page_config(model_dir)
+    cfg = synthdoc.heldout_page_config(model_dir)[0]
     pages = list(synthdoc.iter_dataset("heldout", n_pages, 0, cfg))
     out.mkdir(parents=True, exist_ok=True)
     images = [im.convert("RGB") for im, _, _ in pages]

@@ -899,6 +899,15 @@ def run(args: argparse.Namespace) -> dict:
         if value is not None:
             setattr(spec, field, tuple(value) if isinstance(value, (list, tuple)) else value)
 
+    # what this machine draws the pages' text and fonts from (export.py puts it into training.json, where
+    # `ocria-rt eval` checks it); raises here, before any step, where faker is missing
+    page_sources = synthdoc.page_sources(spec.page_config())
+    sources_before = saved.get("page_sources") if saved is not None else None
+    if sources_before is not None and sources_before != page_sources:
+        print(f"warning: the checkpoint was trained on pages drawn from {json.dumps(sources_before)}; this "
+              f"machine draws them from {json.dumps(page_sources)} (other text or fonts for the same seeds)",
+              flush=True)
+
     builder = PromptBuilder(tok_dir)
     torch.manual_seed(args.seed)
     model = build_model(config, args.attn)
@@ -942,7 +951,9 @@ def run(args: argparse.Namespace) -> dict:
                 **gdn, "resumed_from": str(resume) if resume else None,
                 "optimizer_tensors_restored": restored, "torch": torch.__version__,
                 "transformers": transformers.__version__, "schedule": asdict(sched), "data": asdict(spec),
-                "minutes": args.minutes}
+                "page_sources": page_sources, "minutes": args.minutes}
+    if sources_before is not None and sources_before != page_sources:
+        run_info["page_sources_before"] = sources_before
     if device.type == "cuda":
         run_info["gpu"] = torch.cuda.get_device_name()
     log(run_info)
@@ -973,7 +984,7 @@ def run(args: argparse.Namespace) -> dict:
             raise RuntimeError(f"not saving a checkpoint at step {rs.step}: non-finite weights in {bad[:3]}")
         state = {
             "preset": preset, "model_config": config.to_dict(), "schedule": asdict(sched), "data": asdict(spec),
-            "run": asdict(rs), "rng": rng_state(),
+            "page_sources": page_sources, "run": asdict(rs), "rng": rng_state(),
             "tokenizer_files": {n: (Path(tok_dir) / n).read_text() for n in ("tokenizer.json", "tokenizer_config.json")},
             "preprocessor_config": common.preprocessor_config(spec.max_pixels()),
         }

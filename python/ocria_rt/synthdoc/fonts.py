@@ -11,13 +11,18 @@ A family has a regular face and, where the files exist, bold / italic / bold-ita
 bold face is drawn with the regular face and a one-pixel stroke ("faux bold"); a missing italic face
 makes the family report ``has_italic = False`` and the generator then uses no italics with it.
 
-Which families exist depends on the machine, so a page's pixels (not its determinism for a seed on a
-given machine) depend on the fonts installed; ``PageConfig(fonts="pillow")`` restricts a page to
-Pillow's font for pages that are the same everywhere.
+Which families exist depends on the machine, and so does a page: the family of a seed is drawn from
+the families found, and a family's glyph widths decide line breaks, hence where the character budget
+ends the text, and which characters are transliterated. ``PageConfig(fonts="pillow")`` restricts a
+page to Pillow's font (the same wherever Pillow is). ``PageConfig(fonts=(names...))`` draws from the
+named families in that order, as a machine that had exactly those would (:func:`family_records`
+names them and digests their files); a named family missing here is drawn with a found one of its
+kind (serif, sans-serif, monospace; else Pillow's font), so only the pages that fall to it differ.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import unicodedata
@@ -60,6 +65,7 @@ KNOWN_FAMILIES: dict[str, tuple[str, str | None, str | None, str | None]] = {
     "Roboto": ("Roboto-Regular.ttf", "Roboto-Bold.ttf", "Roboto-Italic.ttf", "Roboto-BoldItalic.ttf"),
 }
 MONOSPACE = {"DejaVu Sans Mono", "Liberation Mono"}
+SERIF = {"DejaVu Serif", "DejaVu Serif Condensed", "STIX General", "Liberation Serif", "FreeSerif", "Noto Serif"}
 PILLOW_FAMILY = "Pillow default (Aileron)"
 
 # Replacements for characters a face lacks (after which NFKD + dropping combining marks is tried).
@@ -185,19 +191,25 @@ class FontFamily:
         return "".join(out)
 
 
-@lru_cache(maxsize=2)
-def available_families(which: str = "auto") -> tuple[FontFamily, ...]:
+@lru_cache(maxsize=8)
+def available_families(which: str | tuple[str, ...] = "auto") -> tuple[FontFamily, ...]:
     """The families usable here: Pillow's font first, then the system families found (sorted by name).
 
-    which: "auto" (all) or "pillow" (Pillow's bundled font only).
+    which: "auto" (all), "pillow" (Pillow's bundled font only) or a tuple of family names: one family
+    per name, in the tuple's order, a name not found here standing for its substitute (:func:`substitute`).
     """
     if not freetype_available():
         raise RuntimeError("Pillow was built without FreeType: synthdoc needs scalable fonts")
+    if isinstance(which, tuple):
+        if not which:
+            raise ValueError("fonts: an empty tuple names no font family")
+        found = {f.name: f for f in available_families("auto")}
+        return tuple(found[name] if name in found else substitute(name) for name in which)
     fams = [FontFamily(PILLOW_FAMILY, None, charset=face_charset(None))]
     if which == "pillow":
         return tuple(fams)
     if which != "auto":
-        raise ValueError(f"fonts must be 'auto' or 'pillow', got {which!r}")
+        raise ValueError(f"fonts must be 'auto', 'pillow' or a tuple of family names, got {which!r}")
     files = _font_files()
     for name in sorted(KNOWN_FAMILIES):
         reg, b, i, bi = KNOWN_FAMILIES[name]
@@ -213,3 +225,38 @@ def available_families(which: str = "auto") -> tuple[FontFamily, ...]:
             continue
         fams.append(FontFamily(name, paths[0], paths[1], paths[2], paths[3], name in MONOSPACE, cs))
     return tuple(fams)
+
+
+def family_kind(name: str) -> str:
+    """"monospace", "serif" or "sans-serif" for a known family; ValueError for another name."""
+    if name == PILLOW_FAMILY:
+        return "sans-serif"
+    if name not in KNOWN_FAMILIES:
+        raise ValueError(f"unknown font family {name!r}; synthdoc knows {[PILLOW_FAMILY, *sorted(KNOWN_FAMILIES)]}")
+    return "monospace" if name in MONOSPACE else "serif" if name in SERIF else "sans-serif"
+
+
+def substitute(name: str) -> FontFamily:
+    """What draws a family that is not found here: the first family found of its kind, else Pillow's font."""
+    kind = family_kind(name)
+    found = available_families("auto")
+    return next((f for f in found[1:] if family_kind(f.name) == kind), found[0])
+
+
+@lru_cache(maxsize=64)
+def _file_digest(path: str) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def family_digest(fam: FontFamily) -> str | None:
+    """A digest of the font files a family draws with (its faces in the order regular, bold, italic,
+    bold-italic; None for Pillow's font, which comes with Pillow): equal digests, equal glyphs."""
+    if fam.regular is None:
+        return None
+    faces = (fam.regular, fam.bold, fam.italic, fam.bold_italic)
+    return hashlib.sha256(" ".join(_file_digest(p) if p else "-" for p in faces).encode()).hexdigest()[:16]
+
+
+def family_records(which: str | tuple[str, ...] = "auto") -> list[dict[str, str | None]]:
+    """[{"family": name, "sha256": family_digest}] of available_families(which), in its order."""
+    return [{"family": f.name, "sha256": family_digest(f)} for f in available_families(which)]

@@ -46,8 +46,10 @@ class PageConfig:
     body_px: tuple[int, int] = (13, 19)  # body font size range at a long side of 1024 (scaled with it)
     max_chars: int | None = None  # stop adding content before the Markdown exceeds this
     noise: float = 1.0  # scan-noise strength (0: clean renders)
-    fonts: str = "auto"  # "auto": Pillow's font + system families; "pillow": Pillow's font only
-    use_faker: bool = True  # use faker when installed (else the built-in word lists)
+    # "auto": Pillow's font + system families; "pillow": Pillow's font only; a tuple of family names: one
+    # family per name, in order, a name not found here drawn with a found family of its kind (fonts.available_families)
+    fonts: str | tuple[str, ...] = "auto"
+    use_faker: bool = True  # text from faker (an error where it is not installed); False: the built-in word lists
     locales: tuple[str, ...] | None = None  # restrict the locales (e.g. ("en_US",))
     furniture: float = 0.55  # probability of a running header / footer / page number
     render: bool = True  # False: no pixels (Markdown and meta only, much faster; image is None)

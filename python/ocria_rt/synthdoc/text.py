@@ -1,15 +1,20 @@
 """Text for synthetic pages: words, names, companies, addresses, dates, numbers and amounts.
 
-With the optional `faker` package installed, names, addresses, companies and sentences come from it
-in several locales; without it, from the built-in word lists (:mod:`.words`). Dates, numbers and
-amounts are formatted here with each locale's conventions (decimal comma, currency position, month
-names), so both sources produce the same kinds of strings. Everything a TextSource returns has been
-through the page's `clean` function (characters the page's fonts cannot draw are transliterated) and
-is safe inside Markdown (no emphasis, code, HTML or link markers).
+Names, addresses, companies and sentences come from the `faker` package in several locales (a
+dependency of ocria-rt, pinned to one version: its data and formats change between releases, and with
+them the pages of a seed), or, with ``PageConfig(use_faker=False)``, from the built-in word lists
+(:mod:`.words`). Asking for faker without it installed is an error, never a silent switch to the
+word lists. Dates, numbers and amounts are formatted here with each locale's conventions (decimal
+comma, currency position, month names), so both sources produce the same kinds of strings. Everything
+a TextSource returns has been through the page's `clean` function (characters the page's fonts cannot
+draw are transliterated) and is safe inside Markdown (no emphasis, code, HTML or link markers).
+:func:`text_source` names the source a configuration draws from, for training records and checks.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import random
 import re
 from collections.abc import Callable
@@ -18,7 +23,7 @@ from functools import lru_cache
 
 from . import words as W
 
-try:  # optional: realistic multilingual text
+try:  # a dependency of ocria-rt; missing only where it was installed without its dependencies
     import faker as _faker_mod
 except ImportError:  # pragma: no cover - depends on the environment
     _faker_mod = None
@@ -107,6 +112,47 @@ def faker_available() -> bool:
     return _faker_mod is not None
 
 
+class TextSourceMissing(ImportError):
+    """The page text should come from faker and faker is not installed."""
+
+
+def _faker_requirement() -> str:
+    """ocria-rt's requirement on faker ("faker==X"), as installed; a fallback phrase where the package's
+    metadata is not there (synthdoc imported from a source tree)."""
+    try:
+        reqs = importlib.metadata.requires("ocria-rt") or []
+    except importlib.metadata.PackageNotFoundError:
+        reqs = []
+    pins = [r for r in reqs if re.match(r"faker\s*==", r, re.I) and ";" not in r]
+    return pins[0].replace(" ", "") if pins else "the faker version ocria-rt's pyproject.toml pins"
+
+
+def _require_faker() -> None:
+    if _faker_mod is None:
+        raise TextSourceMissing(
+            f"synthdoc: the page text comes from the faker package, which is not installed (ocria-rt depends "
+            f"on it: pip install {_faker_requirement()}); PageConfig(use_faker=False) draws from the "
+            f"built-in word lists instead, which is other text")
+
+
+@lru_cache(maxsize=1)
+def _word_lists_digest() -> str:
+    lists = (W.WORDS, W.FIRST_NAMES, W.LAST_NAMES, W.CITIES, W.STREETS, W.STREET_KINDS, W.COMPANY_WORDS,
+             W.COMPANY_SUFFIXES, W.JOBS, W.PRODUCTS)
+    return hashlib.sha256("\n".join(" ".join(x) for x in lists).encode()).hexdigest()[:16]
+
+
+def text_source(use_faker: bool = True) -> dict[str, str]:
+    """Where the words of pages come from: {"generator": "faker", "version": ...} (the installed
+    faker's version: pages of a seed are the same wherever it is the same) or {"generator": "synthdoc
+    word lists", "sha256": ...} (a digest of the built-in lists). Raises TextSourceMissing when
+    `use_faker` and faker is not installed."""
+    if not use_faker:
+        return {"generator": "synthdoc word lists", "sha256": _word_lists_digest()}
+    _require_faker()
+    return {"generator": "faker", "version": str(_faker_mod.VERSION)}
+
+
 def md_safe(text: str) -> str:
     """One line of plain text that Markdown shows as is: markup characters removed, spaces collapsed."""
     return _SPACES.sub(" ", _UNSAFE.sub("", text)).strip()
@@ -122,7 +168,8 @@ class TextSource:
         self._clean = clean
         self.fake = None
         self.lorem = None
-        if use_faker and _faker_mod is not None:
+        if use_faker:
+            _require_faker()
             self.fake = _faker(locale)
             self.fake.seed_instance(rng.getrandbits(48))
             if locale in _LOREM_LOCALES:

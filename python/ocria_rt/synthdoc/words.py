@@ -1,4 +1,4 @@
-"""Built-in word lists: the generator's text source when the `faker` package is not installed."""
+"""Built-in word lists: the generator's text source with ``PageConfig(use_faker=False)``."""
 
 WORDS = """
 able about above account across action activity actually added additional address administration
