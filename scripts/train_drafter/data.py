@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train_ocr"))
+sys.path.append(str(Path(__file__).resolve().parents[1] / "train_ocr"))
 import common  # noqa: E402  (makes ocria_rt.synthdoc importable)
 
 from common import DEFAULT_PROMPT, synthdoc  # noqa: E402

@@ -35,8 +35,9 @@ from model import DFlash2Drafter, DrafterSpec  # noqa: E402
 GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # SpecForge's decay per block size; else B / 2
 
 
-def target_tables(target: Path) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """The target's input embedding and LM head (fp32; tied when it has no lm_head.weight) and its text config."""
+def target_tables(target: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """The target's input embedding and LM head (fp32; tied when it has no lm_head.weight), the scale of its
+    final norm (Qwen3.5's norms multiply by 1 + w) and its text config."""
     from safetensors import safe_open
 
     cfg = json.loads((target / "config.json").read_text())
@@ -48,7 +49,9 @@ def target_tables(target: Path) -> tuple[torch.Tensor, torch.Tensor, dict]:
             raise SystemExit(f"{target}/model.safetensors has no embed_tokens.weight")
         embed = f.get_tensor(embed_key).float()
         head = f.get_tensor("lm_head.weight").float() if "lm_head.weight" in keys else embed
-    return embed, head, {**text, "top": cfg}
+        norm_key = embed_key.replace("embed_tokens", "norm")
+        final_scale = 1 + f.get_tensor(norm_key).float() if norm_key in keys else torch.ones(embed.shape[1])
+    return embed, head, final_scale, {**text, "top": cfg}
 
 
 def load_cache(data: Path) -> list[dict]:
@@ -131,6 +134,7 @@ def main(argv=None) -> None:
     ap.add_argument("--mask-token-id", type=int, default=-1, help="-1: the target's video token, else its last id")
     ap.add_argument("--steps", type=int, default=3000, help="schedule length")
     ap.add_argument("--minutes", type=float, default=25.0, help="stop (with a checkpoint) after this much time")
+    ap.add_argument("--run-steps", type=int, default=0, help="stop (with a checkpoint) after this many steps of this run")
     ap.add_argument("--batch", type=int, default=4, help="sequences per step")
     ap.add_argument("--anchors", type=int, default=16, help="blocks per sequence per step")
     ap.add_argument("--lr", type=float, default=6e-4)
@@ -145,7 +149,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
 
-    embed, head, text = target_tables(args.target)
+    embed, head, final_scale, text = target_tables(args.target)
     meta = json.loads((args.data / "meta.json").read_text())
     pages = load_cache(args.data)
     H, V = int(text["hidden_size"]), int(text["vocab_size"])
@@ -179,6 +183,9 @@ def main(argv=None) -> None:
         gen.set_state(ck["gen"])
         step = ck["step"]
         print(f"resumed at step {step}", flush=True)
+    else:  # the drafter's hidden states start at the scale of the target's final ones
+        with torch.no_grad():
+            model.norm.weight.copy_(final_scale)
     B = spec.block_size
     gamma = args.gamma or GAMMA.get(B, B / 2)
     embed_in = embed * float(spec.extra.get("input_embedding_scale", 1.0))
@@ -197,7 +204,8 @@ def main(argv=None) -> None:
 
     acc: dict[str, float] = {}
     n_acc = 0
-    while step < args.steps:
+    stop_at = min(args.steps, step + args.run_steps) if args.run_steps else args.steps
+    while step < stop_at:
         lr = args.lr * min(1.0, (step + 1) / args.warmup) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
         for g in opt.param_groups:
             g["lr"] = lr
@@ -210,7 +218,7 @@ def main(argv=None) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
-        for k, v in {"ce": float(ce), "sel": float(sel), **metrics}.items():
+        for k, v in {"ce": ce.item(), "sel": sel.item(), **metrics}.items():
             acc[k] = acc.get(k, 0.0) + v
         n_acc += 1
         if step % args.log_every == 0 or step == args.steps:
@@ -221,7 +229,7 @@ def main(argv=None) -> None:
             print(rec, flush=True)
             acc, n_acc = {}, 0
         out_of_time = time.perf_counter() - t0 > 60 * args.minutes
-        if step % args.ckpt_every == 0 or step == args.steps or out_of_time:
+        if step % args.ckpt_every == 0 or step == stop_at or out_of_time:
             save()
         if out_of_time:
             print(f"time budget spent at step {step}; rerun to resume", flush=True)
