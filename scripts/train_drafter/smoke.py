@@ -37,6 +37,26 @@ def text_prompt(seed: int, vocab: int) -> list[int]:
     return torch.randint(0, vocab, (10 + seed,), generator=g).tolist()
 
 
+def zlab_proposals(drafter_dir: Path, target, prompt: list[int], anchor: int) -> list[int] | None:
+    """z-lab's reference (PyPI `dflash`) loading the checkpoint and proposing the first block; None
+    when the package is not installed."""
+    try:
+        import dflash.model as zl
+    except ImportError:
+        return None
+    model = zl.DFlash2DraftModel.from_pretrained(drafter_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = target(torch.tensor([prompt]), output_hidden_states=True, use_cache=False)
+        taps = zl.extract_context_feature(out.hidden_states, model.target_layer_ids)
+        B = model.block_size
+        block = torch.tensor([[anchor] + [model.mask_token_id] * (B - 1)])
+        noise = zl._raw_input_embeddings(target, block, 1.0)
+        hidden = model(target_hidden=taps, noise_embedding=noise, position_ids=torch.arange(len(prompt) + B)[None],
+                       use_cache=False)[:, 1:, :]
+        tokens, _, _ = model.propose(hidden, block[:, 0], zl._output_head(target), 0.0)
+    return [int(t) for t in tokens[0]]
+
+
 def run(work: Path, fixture: Path | None = None) -> dict:
     import ocria_rt
 
@@ -58,7 +78,7 @@ def run(work: Path, fixture: Path | None = None) -> dict:
     embed, head, _, text = train.target_tables(TARGET)
     target, cfg = data.load_transformers_target(TARGET)
     eng = ocria_rt.Engine(TARGET, drafter=drafter_dir, num_threads=1)
-    proposals, same_greedy, accept = [], 0, []
+    proposals, same_greedy, accept, zlab_checked = [], 0, [], 0
     for seed in PROMPT_SEEDS:
         prompt = text_prompt(seed, int(text["vocab_size"]) - 4)
         taps = torch.from_numpy(data.taps_of(target, cfg, prompt, None, None, LAYERS))
@@ -66,6 +86,10 @@ def run(work: Path, fixture: Path | None = None) -> dict:
         mine = propose(model, taps, anchor, embed, head)
         if mine != eng.draft(prompt):
             raise SystemExit(f"prompt {seed}: the torch drafter proposes {mine}, ocria_rt {eng.draft(prompt)}")
+        reference = zlab_proposals(drafter_dir, target, prompt, anchor)
+        if reference is not None and reference != mine:
+            raise SystemExit(f"prompt {seed}: the torch drafter proposes {mine}, z-lab's reference {reference}")
+        zlab_checked += reference is not None
         proposals.append({"prompt": prompt, "anchor": anchor, "proposals": mine})
         plain = eng.generate(prompt, 40, stop_token_ids=[], speculative=False).token_ids
         spec = eng.generate(prompt, 40, stop_token_ids=[])
@@ -80,7 +104,8 @@ def run(work: Path, fixture: Path | None = None) -> dict:
         (fixture / "proposals.json").write_text(json.dumps(
             {"target": "python/ocria_rt/models/tiny-vlm", "prompts": proposals}, indent=1) + "\n")
     return {"seconds": round(time.perf_counter() - t0, 1), "pages": 3, "steps": log[-1]["step"],
-            "ce_first": losses[0], "ce_last": losses[-1], "proposals_match": True, "greedy_match": same_greedy,
+            "ce_first": losses[0], "ce_last": losses[-1], "proposals_match": True, "zlab_checked": zlab_checked,
+            "greedy_match": same_greedy,
             "tau": sum(accept) / len(accept)}
 
 

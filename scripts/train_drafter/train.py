@@ -9,7 +9,8 @@ selector's K-way cross-entropy over the top-K candidates of each position (the g
 last slot when missing), its predecessor being the gold token before it (the anchor at k = 1).
 AdamW with linear warmup and cosine decay over --steps. The run directory holds ckpt.pt (model,
 optimizer, step, RNG), log.jsonl and drafter/ (config.json + model.safetensors, rewritten at every
-checkpoint); a rerun with the same --out resumes from ckpt.pt.
+checkpoint); a rerun with the same --out resumes from ckpt.pt. Shards that data.py adds while training
+runs are picked up at each checkpoint.
 
     python scripts/train_drafter/train.py --target python/ocria_rt/models/ocria-mini --data runs/d/data \
         --out runs/d --steps 3000 --minutes 25
@@ -151,7 +152,7 @@ def main(argv=None) -> None:
 
     embed, head, final_scale, text = target_tables(args.target)
     meta = json.loads((args.data / "meta.json").read_text())
-    pages = load_cache(args.data)
+    pages, shards = load_cache(args.data), len(list(args.data.glob("shard-*.npz")))
     H, V = int(text["hidden_size"]), int(text["vocab_size"])
     mask_id = args.mask_token_id
     if mask_id < 0:
@@ -231,6 +232,9 @@ def main(argv=None) -> None:
         out_of_time = time.perf_counter() - t0 > 60 * args.minutes
         if step % args.ckpt_every == 0 or step == stop_at or out_of_time:
             save()
+            if len(list(args.data.glob("shard-*.npz"))) != shards:
+                pages, shards = load_cache(args.data), len(list(args.data.glob("shard-*.npz")))
+                print(f"{len(pages)} cached pages", flush=True)
         if out_of_time:
             print(f"time budget spent at step {step}; rerun to resume", flush=True)
             break
