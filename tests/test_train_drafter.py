@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import sys
 
 import pytest
@@ -58,3 +59,21 @@ def test_smoke_recipe(tmp_path) -> None:
     assert r["proposals_match"] and r["greedy_match"] == len(smoke.PROMPT_SEEDS)
     assert r["steps"] == 40 and r["ce_last"] < r["ce_first"]
     assert (tmp_path / "run" / "drafter" / "model.safetensors").is_file()
+
+
+def test_engine_uses_the_model_directorys_drafter_by_default(tmp_path) -> None:
+    model = tmp_path / "tiny-vlm"
+    shutil.copytree(PACKAGE_MODELS / "tiny-vlm", model)
+    prompt = CASES[0]["prompt"]
+    plain = ocria_rt.Engine(model, num_threads=1)
+    assert plain.drafter_dir is None
+    shutil.copytree(TRAINED, model / "drafter")
+    eng = ocria_rt.Engine(model, num_threads=1)
+    assert eng.drafter_dir == model / "drafter"
+    spec = eng.generate(prompt, 24, stop_token_ids=[])
+    assert spec.acceptance_lengths and spec.token_ids == plain.generate(prompt, 24, stop_token_ids=[]).token_ids
+    assert eng.generate(prompt, 24, stop_token_ids=[], speculative=False).acceptance_lengths == []
+    off = ocria_rt.Engine(model, num_threads=1, drafter=False)
+    assert off.drafter_dir is None and off.generate(prompt, 24, stop_token_ids=[]).acceptance_lengths == []
+    with pytest.raises(ocria_rt.OcriaError, match="drafter must be a directory"):
+        ocria_rt.Engine(model, num_threads=1, drafter=True)
