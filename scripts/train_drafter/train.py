@@ -112,8 +112,8 @@ def losses(model: DFlash2Drafter, head: torch.Tensor, hidden, labels, gamma: flo
     scores = logits.gather(-1, cand) + model.candidate_selector.pair_scores(h, prev, cand)
     sel = F.cross_entropy(scores.flatten(0, 2), target.flatten(), reduction="none").view_as(w)
     sel = (sel * w).sum() / w.sum()
-    with torch.no_grad():  # accepted prefix of the teacher-forced selector choices (blocks cut by the end count as full)
-        hit = (cand.gather(-1, scores.argmax(-1, keepdim=True))[..., 0] == g) | ~valid
+    with torch.no_grad():  # accepted prefix of the teacher-forced selector choices
+        hit = (cand.gather(-1, scores.argmax(-1, keepdim=True))[..., 0] == g) & valid
         accepted = hit.int().cumprod(-1).sum(-1).float()
         top1 = ((logits.argmax(-1) == g) & valid).sum() / valid.sum()
     return ce, sel, {"top1": float(top1), "tau_tf": float(accepted.mean() + 1)}
