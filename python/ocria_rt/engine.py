@@ -56,7 +56,8 @@ class Engine:
 
     drafter: a DFlash / DFlash2 drafter directory (z-lab's format) trained for this model: generation
     then drafts blocks and verifies them with the model (speculative decoding; CPU only for now), with
-    the same tokens (greedy) or the same distribution (sampling) as without it.
+    the same tokens (greedy) or the same distribution (sampling) as without it. None: the model
+    directory's own `drafter/` subdirectory when it has one (and the device is the CPU); False: none.
     """
 
     def __init__(
@@ -69,11 +70,17 @@ class Engine:
         num_threads: int = 0,
         cuda_graphs: bool = True,
         max_image_patches: int = 16384,
-        drafter: str | os.PathLike[str] | None = None,
+        drafter: str | os.PathLike[str] | bool | None = None,
     ) -> None:
         from . import default_model_dir
 
         self.model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
+        if drafter is None and device == "cpu" and (self.model_dir / "drafter" / "config.json").is_file():
+            drafter = self.model_dir / "drafter"
+        elif drafter is False:
+            drafter = None
+        elif drafter is True:
+            raise InvalidArgumentError("drafter must be a directory, None (the model's own drafter/) or False")
         self._core = _core.Engine(
             str(self.model_dir),
             device=device,

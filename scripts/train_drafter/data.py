@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""The drafter's training data: the target's own greedy outputs on pages, with its hidden-state taps.
+
+Each page's prompt is built by ocria_rt.chat (image expanded, chat template), its output is the target's
+greedy answer through ocria_rt's engine (plain decoding), and the taps of prompt + output are the
+target's hidden states at the drafter's target_layer_ids from one transformers forward over the whole
+sequence (`hidden_states[id + 1]`, the output of decoder layer `id`). Shards of pages are cached as
+`shard-NNNNN.npz` in the cache directory: ids (int32 [N]), prompt_len, taps (float16 [N, n_taps * H]);
+existing shards are kept, so an interrupted run resumes.
+
+    python scripts/train_drafter/data.py --target python/ocria_rt/models/ocria-mini --out runs/d/data \
+        --layers 1 3 5 --pages 400
+    python scripts/train_drafter/data.py --target DIR --out DIR --layers ... --images my_pages/   # user pages
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.append(str(Path(__file__).resolve().parents[1] / "train_ocr"))
+import common  # noqa: E402  (makes ocria_rt.synthdoc importable)
+
+from common import DEFAULT_PROMPT, synthdoc  # noqa: E402
+
+SHARD_PAGES = 16
+
+
+def page_sources(args):
+    """(key, PIL image) of the pages to use: synthdoc's training split (the target's own distribution
+    when its directory has training.json) or every image under --images."""
+    if args.images:
+        from PIL import Image
+
+        files = sorted(p for p in Path(args.images).rglob("*") if p.suffix.lower() in (".png", ".jpg", ".jpeg"))
+        if not files:
+            raise SystemExit(f"no PNG / JPEG images under {args.images}")
+        for f in files[: args.pages]:
+            yield str(f), Image.open(f).convert("RGB")
+        return
+    cfg = synthdoc.training_page_config(args.target)
+    for i, (image, _, meta) in enumerate(synthdoc.iter_dataset(args.split, args.pages, args.seed, cfg)):
+        yield f"{args.split}/{meta['seed']}", image
+
+
+def load_transformers_target(target: Path):
+    import torch
+    from transformers import AutoConfig, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
+
+    cfg = AutoConfig.from_pretrained(target)
+    cls = Qwen3_5ForConditionalGeneration if getattr(cfg, "vision_config", None) is not None else Qwen3_5ForCausalLM
+    return cls.from_pretrained(target, dtype=torch.float32).eval(), cfg
+
+
+def taps_of(model, cfg, ids: list[int], pixel_values, grid, layers: list[int]) -> np.ndarray:
+    import torch
+
+    x = torch.tensor([ids])
+    kw = {}
+    if pixel_values is not None:
+        img = cfg.image_token_id
+        kw = dict(pixel_values=torch.from_numpy(pixel_values), image_grid_thw=torch.from_numpy(grid),
+                  mm_token_type_ids=(x == img).int())
+        model.model.rope_deltas = None
+    with torch.no_grad():
+        out = model(input_ids=x, output_hidden_states=True, use_cache=False, logits_to_keep=1, **kw)
+    return torch.cat([out.hidden_states[i + 1][0] for i in layers], -1).numpy()
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", type=Path, required=True, help="the target's HF directory (a Qwen3.5 VLM)")
+    ap.add_argument("--out", type=Path, required=True, help="cache directory")
+    ap.add_argument("--layers", type=int, nargs="+", required=True, help="target layers to tap (from 0)")
+    ap.add_argument("--pages", type=int, default=400)
+    ap.add_argument("--split", default="train", help="synthdoc split (train pages; evaluate on heldout)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--images", type=Path, help="a folder of page images to use instead of synthdoc pages")
+    ap.add_argument("--max-new-tokens", type=int, default=1024)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--minutes", type=float, default=25.0, help="stop after the shard that passes this budget")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    import ocria_rt
+    from ocria_rt.chat import build_multimodal_prompt
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta_path = args.out / "meta.json"
+    meta = {"target": str(args.target), "layers": args.layers, "split": args.split, "seed": args.seed,
+            "images": str(args.images) if args.images else None, "prompt": DEFAULT_PROMPT,
+            "position_ids": "sequence index"}
+    if meta_path.exists() and json.loads(meta_path.read_text()) != meta:
+        raise SystemExit(f"{meta_path} was written for other options: {meta_path.read_text()}")
+    meta_path.write_text(json.dumps(meta, indent=1) + "\n")
+
+    eng = ocria_rt.Engine(args.target, num_threads=args.threads)
+    model, cfg = load_transformers_target(args.target)
+    t0 = time.perf_counter()
+    shard: list[dict] = []
+    done = 0
+
+    def flush(path: Path) -> bool:
+        nonlocal shard, done
+        tmp = Path(str(path) + ".tmp.npz")
+        np.savez(tmp, **{f"{j}/{k}": v for j, p in enumerate(shard) for k, v in p.items()})
+        tmp.replace(path)
+        done += len(shard)
+        shard = []
+        dt = time.perf_counter() - t0
+        print(f"{path.name}: {done} pages in {dt:.0f} s", flush=True)
+        return dt > 60 * args.minutes
+
+    path = None
+    for i, (key, image) in enumerate(page_sources(args)):
+        path = args.out / f"shard-{i // SHARD_PAGES:05d}.npz"
+        if path.exists():  # already cached
+            continue
+        messages = [{"role": "user", "content": [{"type": "image", "image": image},
+                                                 {"type": "text", "text": DEFAULT_PROMPT}]}]
+        ids, pv, grid = build_multimodal_prompt(eng, messages)
+        r = eng.generate(ids, args.max_new_tokens, pixel_values=pv, image_grid_thw=grid, speculative=False)
+        seq = list(ids) + list(r.token_ids)
+        taps = taps_of(model, cfg, seq, pv, grid, args.layers)
+        shard.append({"ids": np.asarray(seq, np.int32), "prompt_len": np.int32(len(ids)),
+                      "taps": taps.astype(np.float16)})
+        if len(shard) == SHARD_PAGES and flush(path):
+            return
+    if shard:
+        flush(path)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+#!/usr/bin/env python3
+"""Trains a DFlash2 drafter on data.py's cache; resumable; writes the drafter in z-lab's format.
+
+Each step takes --batch cached sequences and --anchors random anchor positions in each sequence's
+output; every anchor's block [anchor, mask x (B - 1)] is trained in parallel under one mask: the block
+sees the context strictly before its anchor and itself (bidirectionally), never the other blocks.
+Loss: cross-entropy at block positions k = 1 .. B-1 weighted exp(-(k - 1) / gamma), plus the
+selector's K-way cross-entropy over the top-K candidates of each position (the gold token put in the
+last slot when missing), its predecessor being the gold token before it (the anchor at k = 1).
+AdamW with linear warmup and cosine decay over --steps. The run directory holds ckpt.pt (model,
+optimizer, step, RNG), log.jsonl and drafter/ (config.json + model.safetensors, rewritten at every
+checkpoint); a rerun with the same --out resumes from ckpt.pt. Shards that data.py adds while training
+runs are picked up at each checkpoint.
+
+    python scripts/train_drafter/train.py --target python/ocria_rt/models/ocria-mini --data runs/d/data \
+        --out runs/d --steps 3000 --minutes 25
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from model import DFlash2Drafter, DrafterSpec  # noqa: E402
+
+GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # SpecForge's decay per block size; else B / 2
+
+
+def target_tables(target: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """The target's input embedding and LM head (fp32; tied when it has no lm_head.weight), the scale of its
+    final norm (Qwen3.5's norms multiply by 1 + w) and its text config."""
+    from safetensors import safe_open
+
+    cfg = json.loads((target / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    with safe_open(str(target / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+        embed_key = next((k for k in keys if k.endswith("embed_tokens.weight")), None)
+        if embed_key is None:
+            raise SystemExit(f"{target}/model.safetensors has no embed_tokens.weight")
+        embed = f.get_tensor(embed_key).float()
+        head = f.get_tensor("lm_head.weight").float() if "lm_head.weight" in keys else embed
+        norm_key = embed_key.replace("embed_tokens", "norm")
+        final_scale = 1 + f.get_tensor(norm_key).float() if norm_key in keys else torch.ones(embed.shape[1])
+    return embed, head, final_scale, {**text, "top": cfg}
+
+
+def load_cache(data: Path) -> list[dict]:
+    pages = []
+    for shard in sorted(data.glob("shard-*.npz")):
+        z = np.load(shard)
+        n = len({k.split("/")[0] for k in z.files})
+        for j in range(n):
+            ids, taps, plen = z[f"{j}/ids"], z[f"{j}/taps"], int(z[f"{j}/prompt_len"])
+            if len(ids) - plen >= 2:  # at least one anchor with a label
+                pages.append({"ids": torch.from_numpy(ids.astype(np.int64)), "taps": torch.from_numpy(taps),
+                              "prompt_len": plen})
+    if not pages:
+        raise SystemExit(f"no usable cached pages in {data} (run data.py first)")
+    return pages
+
+
+def make_batch(pages, gen: torch.Generator, batch: int, anchors: int, B: int, mask_id: int):
+    pick = torch.randint(len(pages), (batch,), generator=gen).tolist()
+    N = max(len(pages[i]["ids"]) for i in pick)
+    width = pages[pick[0]]["taps"].shape[1]
+    taps = torch.zeros(batch, N, width)
+    anchor_pos = torch.zeros(batch, anchors, dtype=torch.long)
+    labels = torch.full((batch, anchors, B), -1, dtype=torch.long)  # [:, :, 0] = the anchor token
+    for s, i in enumerate(pick):
+        ids, n0 = pages[i]["ids"], pages[i]["prompt_len"]
+        n = len(ids)
+        taps[s, :n] = pages[i]["taps"].float()
+        valid = n - 1 - n0  # anchors n0 .. n - 2 have a next token
+        order = torch.randperm(valid, generator=gen) if valid >= anchors else torch.randint(valid, (anchors,), generator=gen)
+        p = n0 + order[:anchors]
+        anchor_pos[s] = p
+        for k in range(B):
+            inside = p + k < n
+            labels[s, :, k] = torch.where(inside, ids[(p + k).clamp(max=n - 1)], torch.full_like(p, -1))
+    block_ids = torch.full((batch, anchors, B), mask_id, dtype=torch.long)
+    block_ids[..., 0] = labels[..., 0]
+    return taps, block_ids, anchor_pos, labels
+
+
+def losses(model: DFlash2Drafter, head: torch.Tensor, hidden, labels, gamma: float):
+    """(weighted CE, selector K-way CE, metrics) for hidden [S, A, B, H], labels [S, A, B]."""
+    s = model.spec
+    B = labels.shape[-1]
+    h, gold = hidden[:, :, 1:], labels[:, :, 1:]
+    valid = gold >= 0
+    w = torch.exp(-torch.arange(B - 1, dtype=torch.float32) / gamma) * valid
+    logits = h @ head.T
+    ce = F.cross_entropy(logits.flatten(0, 2), gold.clamp(min=0).flatten(), reduction="none").view_as(w)
+    ce = (ce * w).sum() / w.sum()
+    g = gold.clamp(min=0)
+    cand = logits.detach().topk(s.selector_top_k, -1).indices
+    present = (cand == g[..., None]).any(-1)
+    cand[..., -1] = torch.where(present, cand[..., -1], g)
+    target = (cand == g[..., None]).float().argmax(-1)
+    prev = labels[:, :, :-1].clamp(min=0)
+    scores = logits.gather(-1, cand) + model.candidate_selector.pair_scores(h, prev, cand)
+    sel = F.cross_entropy(scores.flatten(0, 2), target.flatten(), reduction="none").view_as(w)
+    sel = (sel * w).sum() / w.sum()
+    with torch.no_grad():  # accepted prefix of the teacher-forced selector choices
+        hit = (cand.gather(-1, scores.argmax(-1, keepdim=True))[..., 0] == g) & valid
+        accepted = hit.int().cumprod(-1).sum(-1).float()
+        top1 = ((logits.argmax(-1) == g) & valid).sum() / valid.sum()
+    return ce, sel, {"top1": float(top1), "tau_tf": float(accepted.mean() + 1)}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", type=Path, required=True)
+    ap.add_argument("--data", type=Path, required=True, help="data.py's cache directory")
+    ap.add_argument("--out", type=Path, required=True, help="run directory (resumed when it holds ckpt.pt)")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--num-layers", type=int, default=1)
+    ap.add_argument("--num-heads", type=int, default=4)
+    ap.add_argument("--num-kv-heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--intermediate-size", type=int, default=0, help="0: twice the hidden size")
+    ap.add_argument("--selector-rank", type=int, default=64)
+    ap.add_argument("--selector-top-k", type=int, default=16)
+    ap.add_argument("--mask-token-id", type=int, default=-1, help="-1: the target's video token, else its last id")
+    ap.add_argument("--steps", type=int, default=3000, help="schedule length")
+    ap.add_argument("--minutes", type=float, default=25.0, help="stop (with a checkpoint) after this much time")
+    ap.add_argument("--run-steps", type=int, default=0, help="stop (with a checkpoint) after this many steps of this run")
+    ap.add_argument("--batch", type=int, default=4, help="sequences per step")
+    ap.add_argument("--anchors", type=int, default=16, help="blocks per sequence per step")
+    ap.add_argument("--lr", type=float, default=6e-4)
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--gamma", type=float, default=0.0, help="0: 7 for B = 16, 4 for B = 8, else B / 2")
+    ap.add_argument("--selector-weight", type=float, default=1.0)
+    ap.add_argument("--ckpt-every", type=int, default=200)
+    ap.add_argument("--log-every", type=int, default=25)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+
+    embed, head, final_scale, text = target_tables(args.target)
+    meta = json.loads((args.data / "meta.json").read_text())
+    pages, shards = load_cache(args.data), len(list(args.data.glob("shard-*.npz")))
+    H, V = int(text["hidden_size"]), int(text["vocab_size"])
+    mask_id = args.mask_token_id
+    if mask_id < 0:
+        mask_id = int(text["top"].get("video_token_id") or V - 1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    ckpt_path = args.out / "ckpt.pt"
+    if ckpt_path.exists():
+        ck = torch.load(ckpt_path, weights_only=False)
+        spec = DrafterSpec(**ck["spec"])
+    else:
+        ck = None
+        spec = DrafterSpec(
+            hidden_size=H, vocab_size=V, num_target_layers=int(text["num_hidden_layers"]),
+            target_layer_ids=list(meta["layers"]), mask_token_id=mask_id, block_size=args.block_size,
+            num_layers=args.num_layers, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
+            head_dim=args.head_dim, intermediate_size=args.intermediate_size or 2 * H,
+            conv_group_size=16 if H % 16 == 0 else 1, selector_rank=args.selector_rank,
+            selector_top_k=args.selector_top_k, extra={"position_ids": meta["position_ids"]})
+    if spec.target_layer_ids != list(meta["layers"]):
+        raise SystemExit(f"the checkpoint taps layers {spec.target_layer_ids}, the cache {meta['layers']}")
+    torch.manual_seed(args.seed)
+    model = DFlash2Drafter(spec)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    gen = torch.Generator().manual_seed(args.seed)
+    step = 0
+    if ck is not None:
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["opt"])
+        gen.set_state(ck["gen"])
+        step = ck["step"]
+        print(f"resumed at step {step}", flush=True)
+    else:  # the drafter's hidden states start at the scale of the target's final ones
+        with torch.no_grad():
+            model.norm.weight.copy_(final_scale)
+    B = spec.block_size
+    gamma = args.gamma or GAMMA.get(B, B / 2)
+    embed_in = embed * float(spec.extra.get("input_embedding_scale", 1.0))
+    log = (args.out / "log.jsonl").open("a")
+    if ck is None:
+        log.write(json.dumps({"start": vars(args) | {"target": str(args.target), "data": str(args.data),
+                                                    "out": str(args.out)}, "pages": len(pages),
+                              "spec": dataclasses.asdict(spec)}) + "\n")
+
+    def save() -> None:
+        tmp = args.out / "ckpt.pt.tmp"
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(), "step": step,
+                    "spec": dataclasses.asdict(spec)}, tmp)
+        tmp.replace(ckpt_path)
+        model.save(args.out / "drafter")
+
+    acc: dict[str, float] = {}
+    n_acc = 0
+    stop_at = min(args.steps, step + args.run_steps) if args.run_steps else args.steps
+    while step < stop_at:
+        lr = args.lr * min(1.0, (step + 1) / args.warmup) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        taps, block_ids, anchor_pos, labels = make_batch(pages, gen, args.batch, args.anchors, B, spec.mask_token_id)
+        hidden = model(taps, block_ids, anchor_pos, embed_in)
+        ce, sel, metrics = losses(model, head, hidden, labels, gamma)
+        loss = ce + args.selector_weight * sel
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        for k, v in {"ce": ce.item(), "sel": sel.item(), **metrics}.items():
+            acc[k] = acc.get(k, 0.0) + v
+        n_acc += 1
+        if step % args.log_every == 0 or step == args.steps:
+            rec = {"step": step, "lr": lr, **{k: round(v / n_acc, 4) for k, v in acc.items()},
+                   "elapsed_s": round(time.perf_counter() - t0, 1)}
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+            print(rec, flush=True)
+            acc, n_acc = {}, 0
+        out_of_time = time.perf_counter() - t0 > 60 * args.minutes
+        if step % args.ckpt_every == 0 or step == stop_at or out_of_time:
+            save()
+            if len(list(args.data.glob("shard-*.npz"))) != shards:
+                pages, shards = load_cache(args.data), len(list(args.data.glob("shard-*.npz")))
+                print(f"{len(pages)} cached pages", flush=True)
+        if out_of_time:
+            print(f"time budget spent at step {step}; rerun to resume", flush=True)
+            break
+    log.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""scripts/train_drafter: a drafter the recipe trained (tests/fixtures/drafters/trained_tiny_vlm, written by
+`smoke.py --fixture`) loads in ocria_rt, proposes what the torch model proposed, and speculative greedy
+decoding with it gives plain greedy's tokens (no torch needed); with torch and transformers, the whole
+smoke run (data, training with a resume, export, the same checks on its fresh output)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+
+import pytest
+
+import ocria_rt
+from support import FIXTURES, PACKAGE_MODELS
+
+REPO = FIXTURES.parent.parent
+TRAINED = FIXTURES / "drafters" / "trained_tiny_vlm"
+CASES = json.loads((TRAINED / "proposals.json").read_text())["prompts"]
+
+
+@pytest.fixture(scope="module")
+def engine() -> ocria_rt.Engine:
+    return ocria_rt.Engine(PACKAGE_MODELS / "tiny-vlm", drafter=TRAINED, num_threads=1)
+
+
+def test_trained_drafter_is_a_dflash2_checkpoint() -> None:
+    cfg = json.loads((TRAINED / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["model_type"] == "qwen3"
+    d = cfg["dflash_config"]
+    assert d["block_size"] == 8 and d["target_layer_ids"] == [1, 4] and d["selector_top_k"] == 8
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"prompt{i}" for i in range(len(CASES))])
+def test_trained_drafter_proposals_match_torch(engine: ocria_rt.Engine, case: dict) -> None:
+    assert engine.generate(case["prompt"], 1, stop_token_ids=[], speculative=False).token_ids == [case["anchor"]]
+    assert engine.draft(case["prompt"]) == case["proposals"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"prompt{i}" for i in range(len(CASES))])
+def test_trained_drafter_speculative_greedy_is_plain_greedy(engine: ocria_rt.Engine, case: dict) -> None:
+    plain = engine.generate(case["prompt"], 48, stop_token_ids=[], speculative=False)
+    spec = engine.generate(case["prompt"], 48, stop_token_ids=[])
+    assert spec.token_ids == plain.token_ids
+    assert spec.acceptance_lengths and sum(spec.acceptance_lengths) == 47  # the first token comes from the prefill
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None,
+                    reason="the training recipe needs torch and transformers")
+def test_smoke_recipe(tmp_path) -> None:
+    sys.path.insert(0, str(REPO / "scripts" / "train_drafter"))
+    try:
+        import smoke
+
+        r = smoke.run(tmp_path)  # raises on a proposal or greedy mismatch
+    finally:
+        sys.path.remove(str(REPO / "scripts" / "train_drafter"))
+    assert r["proposals_match"] and r["greedy_match"] == len(smoke.PROMPT_SEEDS)
+    assert r["steps"] == 40 and r["ce_last"] < r["ce_first"]
+    assert (tmp_path / "run" / "drafter" / "model.safetensors").is_file()
+
+
+def test_engine_uses_the_model_directorys_drafter_by_default(tmp_path) -> None:
+    model = tmp_path / "tiny-vlm"
+    shutil.copytree(PACKAGE_MODELS / "tiny-vlm", model)
+    prompt = CASES[0]["prompt"]
+    plain = ocria_rt.Engine(model, num_threads=1)
+    assert plain.drafter_dir is None
+    shutil.copytree(TRAINED, model / "drafter")
+    eng = ocria_rt.Engine(model, num_threads=1)
+    assert eng.drafter_dir == model / "drafter"
+    spec = eng.generate(prompt, 24, stop_token_ids=[])
+    assert spec.acceptance_lengths and spec.token_ids == plain.generate(prompt, 24, stop_token_ids=[]).token_ids
+    assert eng.generate(prompt, 24, stop_token_ids=[], speculative=False).acceptance_lengths == []
+    off = ocria_rt.Engine(model, num_threads=1, drafter=False)
+    assert off.drafter_dir is None and off.generate(prompt, 24, stop_token_ids=[]).acceptance_lengths == []
+    with pytest.raises(ocria_rt.OcriaError, match="drafter must be a directory"):
+        ocria_rt.Engine(model, num_threads=1, drafter=True)
