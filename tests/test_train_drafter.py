@@ -49,6 +49,9 @@ def test_trained_drafter_speculative_greedy_is_plain_greedy(engine: ocria_rt.Eng
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None,
                     reason="the training recipe needs torch and transformers")
 def test_smoke_recipe(tmp_path) -> None:
+    # the recipe's modules have plain names (data, train, model) that other scripts' tests also import
+    names = ("smoke", "data", "train", "model")
+    saved = {n: sys.modules.pop(n) for n in names if n in sys.modules}
     sys.path.insert(0, str(REPO / "scripts" / "train_drafter"))
     try:
         import smoke
@@ -56,6 +59,9 @@ def test_smoke_recipe(tmp_path) -> None:
         r = smoke.run(tmp_path)  # raises on a proposal or greedy mismatch
     finally:
         sys.path.remove(str(REPO / "scripts" / "train_drafter"))
+        for n in names:
+            sys.modules.pop(n, None)
+        sys.modules.update(saved)
     assert r["proposals_match"] and r["greedy_match"] == len(smoke.PROMPT_SEEDS)
     assert r["steps"] == 40 and r["ce_last"] < r["ce_first"]
     assert (tmp_path / "run" / "drafter" / "model.safetensors").is_file()

@@ -17,16 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.append(str(Path(__file__).resolve().parents[1] / "train_ocr"))
-import common  # noqa: E402  (makes ocria_rt.synthdoc importable)
-
-from common import DEFAULT_PROMPT, synthdoc  # noqa: E402
+from ocria_rt import synthdoc
+from ocria_rt.pipeline import DEFAULT_PROMPT
 
 SHARD_PAGES = 16
 

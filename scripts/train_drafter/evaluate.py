@@ -17,17 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.append(str(Path(__file__).resolve().parents[1] / "train_ocr"))
-import common  # noqa: E402,F401  (makes ocria_rt.synthdoc importable)
-
-from common import DEFAULT_PROMPT, synthdoc  # noqa: E402
+from ocria_rt import synthdoc
+from ocria_rt.pipeline import DEFAULT_PROMPT
 
 
 def with_block_size(drafter: Path, block: int, tmp: Path) -> Path:
