@@ -197,11 +197,11 @@ def _check_page_sources(model_dir: Path, report: dict) -> None:
             lacks.append("lacks " + ", ".join(f"{name} (drawn with {sub} instead)"
                                               for name, sub in report["fonts_missing"].items()))
         if report["fonts_other_files"]:
-            lacks.append("has other files of " + ", ".join(report["fonts_other_files"]))
+            lacks.append(f"has other files of {', '.join(report['fonts_other_files'])} (which may draw other glyphs)")
         print(f"ocria-rt eval: warning: the model was trained with the font families "
               f"{', '.join(report['fonts_trained'])}; this machine {' and '.join(lacks)}, so held-out pages "
-              f"that fall to those families differ from the training machine's (glyphs, line breaks) and the "
-              f"CER may differ from one measured there; found here: "
+              f"that fall to those families may differ from the training machine's (glyphs, line breaks) and "
+              f"the CER from one measured there; found here: "
               f"{', '.join(f['family'] for f in report['fonts_found'])} (OCRIA_SYNTHDOC_FONT_DIRS adds font "
               f"folders)", file=sys.stderr)
 

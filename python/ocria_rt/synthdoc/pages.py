@@ -46,8 +46,8 @@ class PageConfig:
     body_px: tuple[int, int] = (13, 19)  # body font size range at a long side of 1024 (scaled with it)
     max_chars: int | None = None  # stop adding content before the Markdown exceeds this
     noise: float = 1.0  # scan-noise strength (0: clean renders)
-    # "auto": Pillow's font + system families; "pillow": Pillow's font only; a tuple of family names:
-    # those of "auto" (fonts.available_families)
+    # "auto": Pillow's font + system families; "pillow": Pillow's font only; a tuple of family names: one
+    # family per name, in order, a name not found here drawn with a found family of its kind (fonts.available_families)
     fonts: str | tuple[str, ...] = "auto"
     use_faker: bool = True  # text from faker (an error where it is not installed); False: the built-in word lists
     locales: tuple[str, ...] | None = None  # restrict the locales (e.g. ("en_US",))
