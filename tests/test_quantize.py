@@ -87,6 +87,29 @@ def test_codes_reproduce_modelopt(fixture, fmt):
             np.testing.assert_array_equal(F.fp8_quantize(w, scale), t[module + ".weight"].raw, err_msg=module)
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+@pytest.mark.parametrize("full", [True, False])
+def test_awq_protects_large_channels(fmt, full):
+    """Inputs with a few channels 30 times larger than the rest: AWQ's scales cut the output error on them
+    well below plain rounding's (with the second moment, or its diagonal alone for wide inputs)."""
+    from ocria_rt.quantization.awq import quantize_group
+
+    rng = np.random.default_rng(0)
+    k = 128
+    x = rng.standard_normal((2048, k)) * np.where(np.arange(k) % 37 == 0, 30.0, 1.0)
+    parts = [rng.standard_normal((96, k)).astype(np.float32), rng.standard_normal((32, k)).astype(np.float32)]
+    stats = {"abs_max": np.abs(x).max(0), "abs_mean": np.abs(x).mean(0), "square_mean": (x**2).mean(0),
+             "second_moment": x.T @ x / len(x) if full else None}
+    rtn, awq = (quantize_group(parts, fmt, stats, m) for m in ("rtn", "awq"))
+    assert rtn.pre_quant_scale is None and awq.pre_quant_scale is not None and awq.alpha > 0
+    assert awq.error < (0.7 if fmt == "nvfp4" else 0.9) * awq.rtn_error and awq.rtn_error == rtn.error
+    y = x[:256].astype(np.float32)  # the error it reports is the error of the outputs
+    out_err = sum(float(np.sum((y @ (w - e).T) ** 2)) for w, e in zip(parts, awq.effective())) / len(y)
+    assert out_err == pytest.approx(awq.error, rel=0.25)
+    if fmt == "nvfp4":  # one global scale for the parts
+        assert awq.weights[0].scale == awq.weights[1].scale and awq.weights[0].input_scale == awq.weights[1].input_scale
+
+
 # ---- the engine's calibration hooks ----
 
 def test_observer_statistics_match_numpy():
@@ -230,6 +253,12 @@ def test_scores_match_dequantized_twin(written, tmp_path, key):
     assert relerr(got, engine(TEXT).score(ids())) > 1e-3  # and it is quantized
 
 
+def test_vlm_scores_match_dequantized_twin(vlm_mixed, tmp_path):
+    dense_twin(vlm_mixed.out_dir, tmp_path / "twin")
+    got, want = engine(vlm_mixed.out_dir).score(ids()), engine(tmp_path / "twin").score(ids())
+    assert relerr(got, want) <= 1e-4
+
+
 def test_awq_folds_are_exact(tmp_path):
     """Every group NVFP4 with AWQ, the (tied) LM head included: the checkpoint, whose scales are folded into
     the norms (input, post-attention, final, DeltaNet gated), v_proj's and up_proj's rows and in_proj_a /
@@ -366,8 +395,13 @@ def test_choose_mixed_greedy():
           "c": {"dense": 0, "fp8": 0.001, "nvfp4": 0.004}}
     assert choose_mixed(kl, nbytes, budget=800) == dict.fromkeys("abc", "dense")
     assert choose_mixed(kl, nbytes, budget=268) == {"a": "nvfp4", "b": "fp8", "c": "nvfp4"}
-    assert choose_mixed(kl, nbytes, budget=300) == {"a": "nvfp4", "b": "fp8", "c": "fp8"}  # bytes given back
-    assert choose_mixed(kl, nbytes, max_kl=0.006) == {"a": "fp8", "b": "fp8", "c": "nvfp4"}
+    assert choose_mixed(kl, nbytes, budget=311) == {"a": "nvfp4", "b": "fp8", "c": "nvfp4"}
+    # x straight to NVFP4 (the best KL per byte saved) overshoots the budget: x gives bytes back, to FP8
+    nbytes2 = {"x": {"dense": 1000, "fp8": 500, "nvfp4": 281}, "y": {"dense": 100, "fp8": 50, "nvfp4": 28}}
+    kl2 = {"x": {"dense": 0, "fp8": 0.002, "nvfp4": 0.0025}, "y": {"dense": 0, "fp8": 0.01, "nvfp4": 0.05}}
+    assert choose_mixed(kl2, nbytes2, budget=900) == {"x": "fp8", "y": "dense"}
+    assert choose_mixed(kl, nbytes, max_kl=0.007) == {"a": "fp8", "b": "fp8", "c": "nvfp4"}
+    assert choose_mixed(kl, nbytes, max_kl=0.006) == dict.fromkeys("abc", "fp8")  # c to NVFP4 would pass it
     assert choose_mixed(kl, nbytes, max_kl=0.0) == dict.fromkeys("abc", "dense")
     with pytest.raises(ocria_rt.InvalidArgumentError, match="below the smallest plan"):
         choose_mixed(kl, nbytes, budget=200)
@@ -421,6 +455,19 @@ def test_bad_input(tmp_path, case, error, match):
     else:
         assert not out.exists()
     assert leftovers(tmp_path) == []
+
+
+def test_calibration_files(tmp_path):
+    """Images calibrate through parse's rendering and preprocessing, continued by the model's own output;
+    a text file adds its tokens."""
+    (tmp_path / "notes.txt").write_text("Invoice 12: total 40.00 EUR, due on delivery.")
+    files = [FIXTURES / "images" / "vis_a.png", FIXTURES / "images" / "vis_b.png", tmp_path / "notes.txt"]
+    res = run(tmp_path, src=TINY_VLM, recipe="fp8", method="rtn", calib_synthetic=None, calib=files,
+              max_new_tokens=4)
+    cal = res.report["calibration"]
+    assert cal["samples"] == 2 and cal["heldout_samples"] == 1
+    assert cal["sources"] == [f"{files[0]} page 1", f"{files[1]} page 1", str(files[2])]
+    assert engine(res.out_dir).stats()["weight_bytes_by_format"]["fp8"] > 0
 
 
 def test_force_replaces(tmp_path):

@@ -22,9 +22,8 @@ void LinearObserver::start(bool second_moment) {
     a.abs_max.assign(K, 0.0f);
     a.abs_sum.assign(K, 0.0);
     a.square_sum.assign(K, 0.0);
-    if (second_moment) a.gram.assign(K * K, 0.0);
+    if (second_moment && s.in_features <= kMaxSecondMomentFeatures) a.gram.assign(K * K, 0.0);
   }
-  second_moment_ = second_moment;
   active_ = true;
 }
 
@@ -55,7 +54,7 @@ void LinearObserver::observe(const Tensor& x, size_t slot) {
       a.square_sum[k] += double(v) * v;
     }
   a.tokens += T;
-  if (!second_moment_) return;
+  if (a.gram.empty()) return;
   // gram[i, j] += sum_t x[t, i] x[t, j] for j <= i: dot products of the transposed columns.
   std::vector<float> xt(size_t(K * T));
   for (int64_t t = 0; t < T; ++t)

@@ -80,13 +80,40 @@ class GroupQuantization:
         return [w.dequantize() if p is None else w.dequantize() * p[None, :].astype(np.float32) for w in self.weights]
 
 
-def output_error(parts: list[np.ndarray], effective: list[np.ndarray], C: np.ndarray) -> float:
+class Moments:
+    """The second moment C = X^T X / n of a projection's input: the full matrix, or only its diagonal
+    (mean x^2) where the engine kept no matrix (inputs wider than it keeps them for)."""
+
+    def __init__(self, full: np.ndarray | None, diag: np.ndarray) -> None:
+        self.full = None if full is None else np.asarray(full, np.float32)
+        self.diag = np.asarray(diag, np.float32)
+
+    @staticmethod
+    def of(stats: dict) -> Moments:
+        return Moments(stats.get("second_moment"), stats["square_mean"])
+
+    def scaled(self, s: np.ndarray) -> Moments:
+        """The moments of x / s."""
+        return Moments(None if self.full is None else self.full / np.outer(s, s), self.diag / (s * s))
+
+    def error(self, d: np.ndarray) -> float:
+        """tr(d C d^T)."""
+        d = np.asarray(d, np.float32)
+        if self.full is None:
+            return float(np.einsum("nk,nk,k->", d, d, self.diag, dtype=np.float64))
+        return float(np.einsum("nk,nk->", d @ self.full, d, dtype=np.float64))
+
+    def blocks(self) -> np.ndarray:
+        """The NVFP4 blocks' 16 x 16 diagonal blocks of C, [K / 16, 16, 16]."""
+        nb, b = len(self.diag) // F.NVFP4_BLOCK, F.NVFP4_BLOCK
+        if self.full is None:
+            return np.stack([np.diag(self.diag[i * b:(i + 1) * b]) for i in range(nb)])
+        return np.stack([self.full[i * b:(i + 1) * b, i * b:(i + 1) * b] for i in range(nb)])
+
+
+def output_error(parts: list[np.ndarray], effective: list[np.ndarray], C: Moments) -> float:
     """sum over parts of tr(D C D^T), D = W - W_eff."""
-    total = 0.0
-    for w, e in zip(parts, effective):
-        d = (w - e).astype(np.float32)
-        total += float(np.einsum("nk,nk->", d @ C, d, dtype=np.float64))
-    return total
+    return sum(C.error(w - e) for w, e in zip(parts, effective))
 
 
 def _scales(abs_mean: np.ndarray, alpha: float, tie: np.ndarray | None) -> np.ndarray:
@@ -106,12 +133,12 @@ def _input_scale(fmt: str, abs_max: np.ndarray, p: np.ndarray | None) -> np.floa
     return np.float32(amax / (F.FP8_MAX * (F.E2M1_MAX if fmt == "nvfp4" else 1.0))) if amax > 0 else np.float32(1.0)
 
 
-def _searched_block_scales(w: np.ndarray, gs: np.float32, C: np.ndarray) -> tuple[np.ndarray, float]:
+def _searched_block_scales(w: np.ndarray, gs: np.float32, C: Moments) -> tuple[np.ndarray, float]:
     """NVFP4 block scales of w [N, K] minimising each block's d^T C_bb d over CLIP_GRID (ModelOpt's scale,
     factor 1, is one of them); returns the codes and the share of blocks whose scale changed."""
     n, k = w.shape
     nb = k // F.NVFP4_BLOCK
-    cbb = np.stack([C[b * 16:(b + 1) * 16, b * 16:(b + 1) * 16] for b in range(nb)]).astype(np.float32)
+    cbb = C.blocks()
     amax = F.block_amax(w)
     best = F.nvfp4_block_scales(amax, gs)
     chunk = max(1, (1 << 22) // max(k, 1))
@@ -134,7 +161,7 @@ def _searched_block_scales(w: np.ndarray, gs: np.float32, C: np.ndarray) -> tupl
     return best, float(np.mean(best != unclipped)) if best.size else 0.0
 
 
-def _quantize(parts: list[np.ndarray], fmt: str, s: np.ndarray | None, C: np.ndarray | None, clip: bool,
+def _quantize(parts: list[np.ndarray], fmt: str, s: np.ndarray | None, C: Moments, clip: bool,
               rows: list[np.ndarray] | None = None) -> tuple[list[QuantizedWeight], float]:
     """The parts' columns times s quantized with one shared global scale (only `rows` of each part when
     given); returns the weights (input_scale unset) and the share of NVFP4 blocks the search changed."""
@@ -148,9 +175,8 @@ def _quantize(parts: list[np.ndarray], fmt: str, s: np.ndarray | None, C: np.nda
         return [QuantizedWeight("fp8", F.fp8_quantize(w, scale), scale, np.float32(1.0)) for w in scaled], 0.0
     gs = F.nvfp4_global_scale(amax)
     for w in scaled:
-        if clip and C is not None:
-            c_scaled = C if s is None else C / np.outer(s, s)  # second moment of x / s
-            bs, share = _searched_block_scales(w, gs, c_scaled)
+        if clip:
+            bs, share = _searched_block_scales(w, gs, C if s is None else C.scaled(s))
             searched.append(share)
         else:
             bs = F.nvfp4_block_scales(F.block_amax(w), gs)
@@ -162,13 +188,13 @@ def quantize_group(parts: list[np.ndarray], fmt: str, stats: dict, method: str =
                    tie: np.ndarray | None = None) -> GroupQuantization:
     """Quantizes the parts [N_i, K] (float32) of one projection to fmt ("fp8" or "nvfp4") sharing one global
     scale. stats: the calibration statistics of the projection's input ("abs_max", "abs_mean",
-    "second_moment"). method "rtn": ModelOpt's round-to-nearest; "awq": the search of the module docstring
-    (tie: per-channel class ids whose channels must share one scale, for a fold that needs it)."""
+    "square_mean", "second_moment", which may be None: its diagonal square_mean stands in). method "rtn":
+    ModelOpt's round-to-nearest; "awq": the search of the module docstring (tie: per-channel class ids whose
+    channels must share one scale, for a fold that needs it)."""
     if method not in ("rtn", "awq"):
         raise ValueError(f"method must be 'rtn' or 'awq', got {method!r}")
     parts = [np.asarray(w, np.float32) for w in parts]
-    C = stats.get("second_moment")
-    C = None if C is None else np.asarray(C, np.float32)
+    C = Moments.of(stats)
 
     def finish(weights: list[QuantizedWeight], p: np.ndarray | None, alpha: float, searched: float, error: float,
                rtn_error: float) -> GroupQuantization:
@@ -177,8 +203,8 @@ def quantize_group(parts: list[np.ndarray], fmt: str, stats: dict, method: str =
         return GroupQuantization(weights, p, alpha, searched, error, rtn_error)
 
     rtn, _ = _quantize(parts, fmt, None, C, clip=False)
-    rtn_error = output_error(parts, [w.dequantize() for w in rtn], C) if C is not None else float("nan")
-    if method == "rtn" or C is None:
+    rtn_error = output_error(parts, [w.dequantize() for w in rtn], C)
+    if method == "rtn":
         return finish(rtn, None, 0.0, 0.0, rtn_error, rtn_error)
 
     # alpha search on at most SEARCH_ROWS rows, spread evenly over the parts

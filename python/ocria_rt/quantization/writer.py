@@ -71,14 +71,17 @@ class Group:
 
 
 def projection_groups(slots: list[dict[str, Any]]) -> list[Group]:
+    """The groups of the engine's projections (Engine.linear_groups())."""
     out = []
     for i, s in enumerate(slots):
         names = [m.rsplit(".", 1)[-1] for m in s["modules"]]
-        kind = KINDS.get(names[0])
-        if kind is None:
-            raise ModelError(f"unknown projection '{s['modules'][0]}'")
         keep = [j for j, n in enumerate(names) if n in KEEP_DENSE]
         take = [j for j in range(len(names)) if j not in keep]
+        if not take:  # in_proj_b | in_proj_a on their own (a checkpoint that stores them apart)
+            continue
+        kind = KINDS.get(names[take[0]])
+        if kind is None:
+            raise ModelError(f"unknown projection '{s['modules'][take[0]]}'")
         m0 = s["modules"][0]
         layer = int(re.search(r"layers\.(\d+)\.", m0).group(1)) if "layers." in m0 else None
         parent = m0.rsplit(".", 1)[0]
