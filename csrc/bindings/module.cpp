@@ -158,7 +158,8 @@ PYBIND11_MODULE(_core, m) {
 
   py::class_<Engine>(m, "Engine")
       .def(py::init([](const std::string& dir, const std::string& device, int64_t max_context, int64_t prefill_chunk,
-                       int num_threads, bool cuda_graphs, int64_t max_image_patches, const std::string& drafter) {
+                       int num_threads, bool cuda_graphs, int64_t max_image_patches, const std::string& drafter,
+                       bool linear_observer) {
              EngineOptions o;
              o.drafter = drafter;
              o.device = device;
@@ -167,12 +168,13 @@ PYBIND11_MODULE(_core, m) {
              o.num_threads = num_threads;
              o.cuda_graphs = cuda_graphs;
              o.max_image_patches = max_image_patches;
+             o.linear_observer = linear_observer;
              py::gil_scoped_release release;
              return Engine::create(dir, o);
            }),
            py::arg("model_dir"), py::arg("device") = "cpu", py::arg("max_context") = 0, py::arg("prefill_chunk") = 0,
            py::arg("num_threads") = 0, py::arg("cuda_graphs") = true, py::arg("max_image_patches") = 16384,
-           py::arg("drafter") = "")
+           py::arg("drafter") = "", py::arg("linear_observer") = false)
       .def_property_readonly("config", [](const Engine& e) { return config_to_dict(e.config()); })
       .def_property_readonly("max_context", &Engine::max_context)
       .def("stats", [](const Engine& e) {
@@ -264,6 +266,49 @@ PYBIND11_MODULE(_core, m) {
              });
            },
            py::arg("hook"));
+      .def("linear_groups", [](const Engine& e) {
+        py::list out;
+        for (const LinearGroupInfo& g : e.linear_groups()) {
+          py::dict d;
+          d["modules"] = g.modules;
+          d["rows"] = g.rows;
+          d["in_features"] = g.in_features;
+          d["format"] = g.format;
+          out.append(d);
+        }
+        return out;
+      })
+      .def("observe_linear_inputs", &Engine::observe_linear_inputs, py::arg("on"), py::arg("second_moment") = false)
+      .def("linear_input_stats", [](const Engine& e) {
+        std::vector<LinearInputStats> stats;
+        {
+          py::gil_scoped_release release;
+          stats = e.linear_input_stats();
+        }
+        py::list out;
+        for (const LinearInputStats& st : stats) {
+          const py::ssize_t K = py::ssize_t(st.abs_max.size());
+          py::dict d;
+          d["tokens"] = st.tokens;
+          d["abs_max"] = py::array_t<float>(K, st.abs_max.data());
+          d["abs_mean"] = py::array_t<double>(K, st.abs_mean.data());
+          d["square_mean"] = py::array_t<double>(K, st.square_mean.data());
+          d["second_moment"] = st.second_moment.empty() ? py::object(py::none())
+                                                         : py::object(py::array_t<double>({K, K}, st.second_moment.data()));
+          out.append(d);
+        }
+        return out;
+      })
+      .def("set_linear_weight", [](Engine& e, const std::string& module, FloatArray weight) {
+        if (weight.ndim() != 2) throw Error(ErrorCode::kInvalidArgument, "set_linear_weight: weight must be 2-D [out, in]");
+        std::vector<float> w(weight.data(), weight.data() + weight.size());
+        py::gil_scoped_release release;
+        e.set_linear_weight(module, w);
+      }, py::arg("module"), py::arg("weight"))
+      .def("restore_linear_weights", [](Engine& e) {
+        py::gil_scoped_release release;
+        e.restore_linear_weights();
+      });
 
   register_op_runner(m);
   register_kernel_bench(m);

@@ -9,6 +9,7 @@
 
 #include "core/arena.h"
 #include "core/safetensors.h"
+#include "engine/linear_observer.h"
 #include "model/quant_config.h"
 #include "model/dflash.h"
 #include "model/qwen35.h"
@@ -41,10 +42,17 @@ std::unique_ptr<Backend> make_backend(const EngineOptions& o) {
   throw Error(ErrorCode::kInvalidArgument, "device '" + o.device + "' is not one of 'cpu', 'cuda', 'cuda:N'");
 }
 
+// The backend, behind a LinearObserver when the options ask for one.
+std::unique_ptr<Backend> make_engine_backend(const EngineOptions& o) {
+  std::unique_ptr<Backend> be = make_backend(o);
+  if (!o.linear_observer) return be;
+  return std::make_unique<LinearObserver>(std::move(be), o.num_threads);
+}
+
 class EngineImpl final : public Engine {
  public:
   EngineImpl(const std::string& model_dir, const EngineOptions& opt)
-      : config_(load_model_config(model_dir)), backend_(make_backend(opt)) {
+      : config_(load_model_config(model_dir)), backend_(make_engine_backend(opt)) {
     if (opt.max_context < 0) throw Error(ErrorCode::kInvalidArgument, "max_context must be >= 0, got " + std::to_string(opt.max_context));
     if (opt.prefill_chunk < 0) throw Error(ErrorCode::kInvalidArgument, "prefill_chunk must be >= 0, got " + std::to_string(opt.prefill_chunk));
     max_context_ = opt.max_context > 0 ? opt.max_context : std::min(config_.max_position_embeddings, kDefaultMaxContext);
@@ -85,6 +93,9 @@ class EngineImpl final : public Engine {
     decode_position_ = decode_positions_.rows(0, 1);
     decode_rope_position_ = decode_positions_.rows(1, 3).view({1, 3});
     use_graphs_ = opt.cuda_graphs && backend_->supports_graphs();
+    observer_ = opt.linear_observer ? static_cast<LinearObserver*>(backend_.get()) : nullptr;
+    if (observer_) observer_->watch(&model_->linear_slots());
+    edits_ = std::make_unique<Arena>(*backend_);
     backend_->synchronize();
   }
 
@@ -200,6 +211,50 @@ class EngineImpl final : public Engine {
   }
 
   double last_prefill_seconds() const override { return prefill_seconds_; }
+
+  std::vector<LinearGroupInfo> linear_groups() const override {
+    std::vector<LinearGroupInfo> out;
+    for (const LinearSlot& s : model_->linear_slots()) {
+      LinearGroupInfo g;
+      g.modules = s.modules;
+      g.rows = s.rows;
+      g.in_features = s.in_features;
+      switch (s.weight->format) {
+        case LinearWeight::Format::kDense: g.format = "dense"; break;
+        case LinearWeight::Format::kFp8: g.format = "fp8"; break;
+        case LinearWeight::Format::kNvfp4: g.format = "nvfp4"; break;
+      }
+      out.push_back(std::move(g));
+    }
+    return out;
+  }
+
+  void observe_linear_inputs(bool on, bool second_moment) override {
+    if (!observer_)
+      throw Error(ErrorCode::kInvalidArgument, "observe_linear_inputs: the engine was created without linear_observer");
+    if (on) {
+      observer_->start(second_moment);
+    } else {
+      observer_->stop();
+    }
+  }
+
+  std::vector<LinearInputStats> linear_input_stats() const override {
+    if (!observer_)
+      throw Error(ErrorCode::kInvalidArgument, "linear_input_stats: the engine was created without linear_observer");
+    return observer_->stats();
+  }
+
+  void set_linear_weight(const std::string& module, const std::vector<float>& weight) override {
+    model_->set_linear_rows(module, weight.data(), int64_t(weight.size()), *edits_);
+    graph_ready_ = false;  // a captured step may hold the old LM head
+  }
+
+  void restore_linear_weights() override {
+    model_->restore_linears();
+    edits_ = std::make_unique<Arena>(*backend_);
+    graph_ready_ = false;
+  }
 
   std::vector<float> encode_images(const ImageBatch& images) override {
     Tensor out = vision_->encode(images.pixel_values, checked_grids(images));
@@ -477,6 +532,8 @@ class EngineImpl final : public Engine {
   std::unique_ptr<Arena> weights_, state_arena_, work_;
   std::unique_ptr<Qwen35Model> model_;
   std::unique_ptr<Qwen35Vision> vision_;  // VLMs only
+  LinearObserver* observer_ = nullptr;    // backend_, when it observes projections
+  std::unique_ptr<Arena> edits_;          // weights set_linear_weight needed (a tied LM head's own copy)
   SequenceState state_;
   Workspace ws_;
   Tensor ids_, positions_, rope_positions_, logits_;

@@ -1,5 +1,6 @@
 #include "model/qwen35.h"
 
+#include "core/float_convert.h"
 #include "model/weight_loader.h"
 
 #include <cmath>
@@ -26,6 +27,30 @@ Qwen35Model::Qwen35Model(const ModelConfig& config, const QuantConfig& quant, co
   quant.check_names(ck);
   WeightLoader w(ck, be_, arena, base, quant, quantized_bytes_);
   const DType wt = be_.weight_dtype(), f32 = DType::F32;
+  // Each projection is recorded as a LinearSlot: its checkpoint modules and its folded norm's 1 + w.
+  auto slot = [&](LinearWeight& dst, const std::string& prefix, const std::vector<WeightLoader::Part>& parts,
+                  int64_t in, const std::string& norm, bool glu) {
+    LinearSlot s;
+    for (const WeightLoader::Part& part : parts) {
+      s.modules.push_back(prefix + part.name);
+      s.rows.push_back(part.rows);
+    }
+    s.in_features = in;
+    s.glu = glu;
+    s.weight = &dst;
+    if (!norm.empty()) {
+      const TensorRecord& rec = ck.require(prefix + norm, {in});
+      s.norm_scale.resize(size_t(in));
+      convert_to_f32(rec.data, rec.dtype, s.norm_scale.data(), in);
+      for (float& v : s.norm_scale) v = 1.0f + v;
+    }
+    slots_.push_back(std::move(s));
+  };
+  auto project = [&](LinearWeight& dst, const std::vector<WeightLoader::Part>& parts, int64_t in,
+                     const std::string& norm = "", bool glu = false) {
+    dst = w.projection(parts, in, norm, glu);
+    slot(dst, base, parts, in, norm, glu);
+  };
   embed_ = w.load("embed_tokens.weight", {c.vocab_size, H}, wt);
   final_norm_ = w.load("norm.weight", {H}, f32);
   if (c.tie_word_embeddings) {
@@ -34,9 +59,10 @@ Qwen35Model::Qwen35Model(const ModelConfig& config, const QuantConfig& quant, co
     lm_head_ = WeightLoader(ck, be_, arena, "", quant, quantized_bytes_).projection({{"lm_head", c.vocab_size}}, H);
   }
 
+  layers_.reserve(size_t(c.num_layers));  // the slots point at the layers' weights
   for (int64_t i = 0; i < c.num_layers; ++i) {
     const std::string p = "layers." + std::to_string(i) + ".";
-    DecoderLayer L;
+    DecoderLayer& L = layers_.emplace_back();
     L.full_attention = c.full_attention[i];
     // The two RMSNorms' weights go into the projections that read their output (folded into dense
     // weights, ops.h fold_norm_weight; a quantized one's input_scale): the forward normalises
@@ -44,9 +70,9 @@ Qwen35Model::Qwen35Model(const ModelConfig& config, const QuantConfig& quant, co
     const std::string input_norm = p + "input_layernorm.weight", post_norm = p + "post_attention_layernorm.weight";
     if (L.full_attention) {
       const std::string a = p + "self_attn.";
-      L.attn.qkv = w.projection({{a + "q_proj", Hq * 2 * hd}, {a + "k_proj", Hkv * hd}, {a + "v_proj", Hkv * hd}}, H,
-                                input_norm);
-      L.attn.o = w.projection({{a + "o_proj", H}}, Hq * hd);
+      project(L.attn.qkv, {{a + "q_proj", Hq * 2 * hd}, {a + "k_proj", Hkv * hd}, {a + "v_proj", Hkv * hd}}, H,
+              input_norm);
+      project(L.attn.o, {{a + "o_proj", H}}, Hq * hd);
       L.attn.q_norm = w.load(a + "q_norm.weight", {hd}, f32);
       L.attn.k_norm = w.load(a + "k_norm.weight", {hd}, f32);
     } else {
@@ -56,12 +82,12 @@ Qwen35Model::Qwen35Model(const ModelConfig& config, const QuantConfig& quant, co
       if (w.format_of(qkvz) == w.format_of(ba)) {
         std::vector<WeightLoader::Part> all = qkvz;
         all.insert(all.end(), ba.begin(), ba.end());
-        L.gdn.in_proj = w.projection(all, H, input_norm);
+        project(L.gdn.in_proj, all, H, input_norm);
       } else {
-        L.gdn.in_proj = w.projection(qkvz, H, input_norm);
-        L.gdn.in_proj_ba = w.projection(ba, H, input_norm);
+        project(L.gdn.in_proj, qkvz, H, input_norm);
+        project(L.gdn.in_proj_ba, ba, H, input_norm);
       }
-      L.gdn.out = w.projection({{g + "out_proj", H}}, HV * dv);
+      project(L.gdn.out, {{g + "out_proj", H}}, HV * dv);
       // conv1d.weight is [C, 1, K] in the checkpoint.
       const TensorRecord& cw = ck.require(base + g + "conv1d.weight", {C, 1, K});
       L.gdn.conv_weight = arena.alloc(f32, {C, K});
@@ -70,10 +96,76 @@ Qwen35Model::Qwen35Model(const ModelConfig& config, const QuantConfig& quant, co
       L.gdn.dt_bias = w.load(g + "dt_bias", {HV}, f32);
       L.gdn.norm = w.load(g + "norm.weight", {dv}, f32);
     }
-    L.gate_up = w.projection({{p + "mlp.gate_proj", I}, {p + "mlp.up_proj", I}}, H, post_norm, /*glu=*/true);
-    L.down = w.projection({{p + "mlp.down_proj", H}}, I);
-    layers_.push_back(std::move(L));
+    project(L.gate_up, {{p + "mlp.gate_proj", I}, {p + "mlp.up_proj", I}}, H, post_norm, /*glu=*/true);
+    project(L.down, {{p + "mlp.down_proj", H}}, I);
   }
+  slot(lm_head_, "", {{"lm_head", c.vocab_size}}, H, "", false);
+}
+
+void Qwen35Model::set_linear_rows(const std::string& module, const float* w, int64_t count, Arena& arena) {
+  // The module under either key layout (model.language_model.* or model.*).
+  auto same = [](const std::string& a, const std::string& b) {
+    static const std::string vlm = "model.language_model.", text = "model.";
+    auto strip = [&](const std::string& m) {
+      return m.rfind(vlm, 0) == 0 ? m.substr(vlm.size()) : m.rfind(text, 0) == 0 ? m.substr(text.size()) : m;
+    };
+    return a == b || strip(a) == strip(b);
+  };
+  for (size_t si = 0; si < slots_.size(); ++si) {
+    const LinearSlot& s = slots_[si];
+    for (size_t part = 0; part < s.modules.size(); ++part) {
+      if (!same(s.modules[part], module)) continue;
+      LinearWeight& lw = *s.weight;
+      if (lw.quantized())
+        throw Error(ErrorCode::kInvalidArgument, "set_linear_weight: '" + module +
+                                                     "' is stored quantized; only dense projections can be replaced");
+      const int64_t K = s.in_features, rows = s.rows[part];
+      if (count != rows * K)
+        throw Error(ErrorCode::kInvalidArgument, "set_linear_weight: '" + module + "' is [" + std::to_string(rows) + ", " +
+                                                     std::to_string(K) + "], got " + std::to_string(count) + " values");
+      bool saved = false;
+      for (const auto& [slot, original] : saved_) saved |= slot == si;
+      if (!saved) {
+        std::vector<float> original;
+        if (lw.weight.data != embed_.data) {
+          original.resize(size_t(lw.weight.numel()));
+          be_.copy_to_host(original.data(), lw.weight);
+        }
+        saved_.emplace_back(si, std::move(original));
+      }
+      if (lw.weight.data == embed_.data) {  // a tied LM head: a copy of its own, so the embeddings stay
+        lw.weight = arena.alloc(embed_.dtype, {embed_.dim(0), embed_.dim(1)});
+        be_.copy(lw.weight, embed_);
+      }
+      std::vector<float> staged(size_t(rows * K));
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t k = 0; k < K; ++k)
+          staged[r * K + k] = s.norm_scale.empty() ? w[r * K + k] : w[r * K + k] * s.norm_scale[k];
+      if (s.glu) {  // this part's groups of kGluGroup rows alternate with the other part's
+        for (int64_t j = 0; j < rows / kGluGroup; ++j)
+          be_.copy_from_host(lw.weight.rows((2 * j + int64_t(part)) * kGluGroup, kGluGroup),
+                             staged.data() + j * kGluGroup * K, DType::F32);
+      } else {
+        int64_t first = 0;
+        for (size_t q = 0; q < part; ++q) first += s.rows[q];
+        be_.copy_from_host(lw.weight.rows(first, rows), staged.data(), DType::F32);
+      }
+      return;
+    }
+  }
+  throw Error(ErrorCode::kInvalidArgument, "set_linear_weight: the model has no projection module '" + module + "'");
+}
+
+void Qwen35Model::restore_linears() {
+  for (const auto& [si, original] : saved_) {
+    LinearWeight& lw = *slots_[si].weight;
+    if (original.empty()) {
+      lw.weight = embed_;  // the LM head ties to the embeddings again
+    } else {
+      be_.copy_from_host(lw.weight, original.data(), DType::F32);
+    }
+  }
+  saved_.clear();
 }
 
 SequenceState Qwen35Model::make_state(Arena& arena, int64_t max_context) const {

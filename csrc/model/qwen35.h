@@ -36,6 +36,17 @@ struct DecoderLayer {
   LinearWeight gate_up, down;    // gate_up: [2I, H] in the GLU layout (ops.h)
 };
 
+// A projection of the model as the checkpoint stores it (for calibration: its inputs are observed and
+// its weight can be edited in memory).
+struct LinearSlot {
+  std::vector<std::string> modules;  // the checkpoint modules fused into it, without ".weight"
+  std::vector<int64_t> rows;         // each module's output features
+  int64_t in_features = 0;
+  bool glu = false;                  // two modules, gate and up, in the GLU layout (ops.h)
+  std::vector<float> norm_scale;     // [in_features] the (1 + w) of the RMSNorm folded into it; empty: none
+  LinearWeight* weight = nullptr;   // the model's projection
+};
+
 // Per-sequence caches: KV rows for attention layers, conv + recurrent state for DeltaNet layers.
 struct SequenceState {
   struct Layer {
@@ -106,6 +117,16 @@ class Qwen35Model {
   const QuantizedBytes& quantized_bytes() const { return quantized_bytes_; }
   const Tensor& embedding_table() const { return embed_; }
 
+  // The decoder's projections, layer by layer, then the LM head.
+  const std::vector<LinearSlot>& linear_slots() const { return slots_; }
+  // Overwrites the rows of checkpoint module `module` in its (dense) projection with w [rows, in]
+  // (`count` fp32 values, checkpoint layout), folding the slot's norm_scale in as the loader folds it.
+  // The first edit of a projection keeps a host copy of it; a tied LM head first gets a weight of its
+  // own from `arena`. Error(kInvalidArgument) for an unknown module, a wrong count or a quantized projection.
+  void set_linear_rows(const std::string& module, const float* w, int64_t count, Arena& arena);
+  // Puts back every projection that set_linear_rows changed (the LM head ties to the embeddings again).
+  void restore_linears();
+
  private:
   enum class GdnMode { kChunked, kDecode, kVerify };
   void run_layers(int64_t T, const Tensor& positions, const Tensor& rope_positions, SequenceState& state, Workspace& ws,
@@ -119,6 +140,8 @@ class Qwen35Model {
   LinearWeight lm_head_;
   std::vector<DecoderLayer> layers_;
   QuantizedBytes quantized_bytes_;
+  std::vector<LinearSlot> slots_;
+  std::vector<std::pair<size_t, std::vector<float>>> saved_;  // slot, its original weight (fp32 [N, K])
 };
 
 }  // namespace ocria_rt

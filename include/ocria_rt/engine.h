@@ -29,6 +29,10 @@ struct EngineOptions {
   // Speculative decoding: a DFlash or DFlash2 drafter directory in z-lab's format (config.json with
   // dflash_config, model.safetensors) trained for this target; "" for none. CPU backend only for now.
   std::string drafter;
+  // Calibration (ocria_rt.quantize): the backend's ops pass through an observer that can collect
+  // statistics of the decoder linears' inputs (Engine::observe_linear_inputs). Such an engine replays
+  // no CUDA graphs; off (the default), nothing is in the way of the ops.
+  bool linear_observer = false;
 };
 
 // Images as the image processor emits them (ocria_rt.preprocess_image, or transformers'
@@ -65,6 +69,25 @@ struct GenerationResult {
   double decode_tokens_per_second() const {
     return decode_seconds > 0 && token_ids.size() > 1 ? (token_ids.size() - 1) / decode_seconds : 0;
   }
+};
+
+// One projection of the decoder as the model runs it, named as the checkpoint stores it: the modules
+// fused into it (e.g. q_proj, k_proj, v_proj) read the same input.
+struct LinearGroupInfo {
+  std::vector<std::string> modules;  // checkpoint module names, without ".weight"
+  std::vector<int64_t> rows;         // each module's output features
+  int64_t in_features = 0;
+  std::string format;                // "dense", "fp8" or "nvfp4"
+};
+
+// Statistics of the inputs x [tokens, K] of one projection over the observed tokens, as its checkpoint
+// modules see them (times the (1 + w) of an RMSNorm that the engine folded into the weights).
+struct LinearInputStats {
+  int64_t tokens = 0;
+  std::vector<float> abs_max;          // [K] max over tokens of |x[t, k]|
+  std::vector<double> abs_mean;        // [K] mean of |x[t, k]|
+  std::vector<double> square_mean;     // [K] mean of x[t, k]^2
+  std::vector<double> second_moment;   // [K, K] row-major X^T X / tokens; empty unless asked for (and K <= 4096)
 };
 
 struct EngineStats {
@@ -122,6 +145,21 @@ class Engine {
 
   // VLMs: the vision encoder's merged output for `images`, row-major [patches / merge^2, hidden].
   virtual std::vector<float> encode_images(const ImageBatch& images) = 0;
+
+  // ---- calibration (quantization) ----
+  // The decoder's projections, layer by layer, then the LM head.
+  virtual std::vector<LinearGroupInfo> linear_groups() const = 0;
+  // on: starts collecting LinearInputStats of every projection of linear_groups() over the tokens that
+  // the following score() / generate() calls run, dropping earlier ones; second_moment adds X^T X
+  // (K * K doubles per projection of K <= 4096 inputs). off: stops. Needs EngineOptions::linear_observer.
+  virtual void observe_linear_inputs(bool on, bool second_moment = false) = 0;
+  virtual std::vector<LinearInputStats> linear_input_stats() const = 0;  // in linear_groups() order
+  // Replaces, in memory, the weight of the dense decoder module `module` (a name of linear_groups())
+  // by `weight` [out, in] fp32 in the checkpoint's layout; an RMSNorm folded into it at load is
+  // applied to it as to the original (e.g. a trial quantization, dequantized). A tied LM head gets a
+  // weight of its own; the embeddings stay. restore_linear_weights() puts every original back.
+  virtual void set_linear_weight(const std::string& module, const std::vector<float>& weight) = 0;
+  virtual void restore_linear_weights() = 0;
 
   // on_token returns false to stop early (finish_reason "cancelled").
   GenerationResult generate(const std::vector<int32_t>& prompt, const SamplingParams& params,

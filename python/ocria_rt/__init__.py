@@ -7,6 +7,7 @@ from pathlib import Path
 from . import _core as _core
 from .engine import Engine, GenerationResult
 from .pipeline import Document, PageResult, parse
+from .quantization import QuantizationResult, quantize
 from .errors import (
     DependencyError,
     DeviceError,
@@ -54,6 +55,8 @@ __all__ = [
     "Document",
     "PageResult",
     "parse",
+    "quantize",
+    "QuantizationResult",
     "OcriaError",
     "InvalidArgumentError",
     "FileError",

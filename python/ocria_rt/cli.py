@@ -272,6 +272,32 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quantize(args: argparse.Namespace) -> int:
+    from .quantization import quantize
+
+    res = quantize(
+        args.model_dir,
+        args.out_dir,
+        recipe=args.recipe,
+        calib=args.calib,
+        calib_synthetic=args.calib_synthetic,
+        budget=args.budget,
+        max_kl=args.max_kl,
+        method=args.method,
+        device=args.device,
+        force=args.force,
+        heldout=args.heldout,
+        seed=args.seed,
+        num_threads=args.threads,
+        max_new_tokens=args.max_new_tokens,
+        progress="always" if args.progress else not args.no_progress,
+    )
+    print(res.table())
+    print(f"[{res.report['quant_algo']} checkpoint written to {res.out_dir}; report {res.out_dir / 'quantization_report.json'}, "
+          f"plot {res.out_dir / 'quantization_kl.png'}]", file=sys.stderr)
+    return 0
+
+
 def _info(args: argparse.Namespace) -> int:
     from . import build_info
 
@@ -351,6 +377,45 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--json", default=None, metavar="OUT.json", help="also write the figures, per page, as JSON")
     e.add_argument("--progress", action="store_true", help="one line per page on stdout")
     e.set_defaults(func=_eval)
+
+    q = sub.add_parser(
+        "quantize",
+        help="write an FP8 / NVFP4 / mixed-precision ModelOpt checkpoint of a model",
+        description="Calibrates MODEL_DIR on pages (or text) run through the engine, quantizes its decoder "
+        "projections (AWQ scales folded into the layers before them, clipped NVFP4 block scales) and writes a "
+        "ModelOpt-format checkpoint (hf_quant_config.json; quant_algo FP8, NVFP4 or MIXED_PRECISION) with "
+        "quantization_report.json and quantization_kl.png to OUT_DIR. Embeddings, norms, the DeltaNet conv, "
+        "in_proj_a / in_proj_b and the vision encoder stay unquantized; the uniform recipes keep the LM head too. "
+        "Exit status 2 on a usage or input error (nothing is written).",
+    )
+    q.add_argument("model_dir", metavar="MODEL_DIR", help="the dense (BF16 / F16 / F32) checkpoint to quantize")
+    q.add_argument("out_dir", metavar="OUT_DIR", help="where the quantized checkpoint goes (must be empty or absent)")
+    q.add_argument("--recipe", choices=["fp8", "nvfp4", "mixed"], default="mixed",
+                   help="one format for every projection, or a format per projection group chosen by its KL "
+                   "divergence per byte (default mixed)")
+    q.add_argument("--method", choices=["awq", "rtn"], default="awq",
+                   help="awq: activation-aware scales and clipped block scales (default); rtn: plain rounding")
+    src = q.add_mutually_exclusive_group()
+    src.add_argument("--calib", nargs="+", metavar="FILE", default=None,
+                     help="calibration PDFs / images (rendered as parse renders them; continued by the model's own "
+                     "output) or .txt / .md files")
+    src.add_argument("--calib-synthetic", type=int, metavar="N", default=None,
+                     help=f"N synthetic pages with their true Markdown (default {32})")
+    q.add_argument("--budget", default=None,
+                   help="mixed: the bytes allowed for the quantized projections: average bits per weight (4.5), a share "
+                   "of their BF16 bytes (40%%) or bytes (3MB); the plan with the lowest KL within it")
+    q.add_argument("--max-kl", type=float, default=None,
+                   help="mixed without --budget: the fewest bytes whose summed KL stays below this (default 0.05)")
+    q.add_argument("--heldout", type=int, default=None, help="calibration samples kept for the KL (default a quarter)")
+    q.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    q.add_argument("--force", action="store_true", help="replace a non-empty OUT_DIR")
+    q.add_argument("--seed", type=int, default=0, help="synthetic calibration pages (default 0)")
+    q.add_argument("--max-new-tokens", type=int, default=512, help="--calib pages: the model's output continued this far")
+    q.add_argument("--threads", type=int, default=0, help="CPU threads (0: all cores)")
+    qprog = q.add_mutually_exclusive_group()
+    qprog.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    qprog.add_argument("--progress", action="store_true", help="the progress bar even when stderr is not a terminal")
+    q.set_defaults(func=_quantize)
 
     i = sub.add_parser("info", help="print build information")
     i.set_defaults(func=_info)

@@ -71,7 +71,11 @@ class Engine:
         cuda_graphs: bool = True,
         max_image_patches: int = 16384,
         drafter: str | os.PathLike[str] | bool | None = None,
+        linear_observer: bool = False,
     ) -> None:
+        """linear_observer: for calibration (ocria_rt.quantize), pass the ops through an observer so that
+        observe_linear_inputs() can collect statistics of the decoder's projection inputs (such an engine
+        replays no CUDA graphs)."""
         from . import default_model_dir
 
         self.model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
@@ -90,6 +94,7 @@ class Engine:
             cuda_graphs=cuda_graphs,
             max_image_patches=max_image_patches,
             drafter="" if drafter is None else str(drafter),
+            linear_observer=linear_observer,
         )
         self.drafter_dir = Path(drafter) if drafter is not None else None
         self.device = device
@@ -259,6 +264,33 @@ class Engine:
         ids, pixel_values, grid = build_multimodal_prompt(self, messages, **prompt_kwargs)
         args = (ids, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids, pixel_values, grid, speculative)
         return self.stream(*args) if stream else self.generate(*args)
+
+    # ---- calibration (ocria_rt.quantize) ----
+    def linear_groups(self) -> list[dict[str, Any]]:
+        """The decoder's projections, layer by layer, then the LM head: for each, "modules" (checkpoint
+        module names of the parts fused into it, which read one input), "rows" (each part's outputs),
+        "in_features" and "format" ("dense", "fp8" or "nvfp4")."""
+        return list(self._core.linear_groups())
+
+    def observe_linear_inputs(self, on: bool, second_moment: bool = False) -> None:
+        """Starts (dropping earlier ones) or stops collecting statistics of the inputs of every projection
+        over the tokens that score() / generate() run. Needs Engine(..., linear_observer=True)."""
+        self._core.observe_linear_inputs(bool(on), bool(second_moment))
+
+    def linear_input_stats(self) -> list[dict[str, Any]]:
+        """Per projection of linear_groups(), of its input x [tokens, K] as its checkpoint modules see it
+        (times a folded RMSNorm's 1 + w): "tokens", "abs_max" [K], "abs_mean" [K], "square_mean" [K] and,
+        when asked for, "second_moment" [K, K] = X^T X / tokens (else None)."""
+        return list(self._core.linear_input_stats())
+
+    def set_linear_weight(self, module: str, weight: np.ndarray) -> None:
+        """Replaces the weight of dense decoder module `module` in memory by `weight` [out, in] (checkpoint
+        layout; a norm folded into the projection at load applies to it too). See restore_linear_weights."""
+        self._core.set_linear_weight(str(module), np.asarray(weight, np.float32))
+
+    def restore_linear_weights(self) -> None:
+        """Puts back every weight set_linear_weight replaced."""
+        self._core.restore_linear_weights()
 
     def _stops(self, stop_token_ids: Sequence[int] | None) -> list[int]:
         return list(self.eos_token_ids if stop_token_ids is None else (int(t) for t in stop_token_ids))

@@ -1,0 +1,334 @@
+"""Quantizing a Qwen3.5 checkpoint into a ModelOpt-format FP8 / NVFP4 / mixed-precision checkpoint.
+
+>>> res = ocria_rt.quantize("models/ocria-mini", "out/ocria-mini-mixed", recipe="mixed", budget="40%")
+>>> res.plan["layers.0.mlp.gate|up"], res.report["total"]["measured_kl"]
+
+1. Calibration: samples (calibration.py) run through the engine, which observes the inputs of every
+   projection (Engine.observe_linear_inputs): per-channel max |x|, mean |x|, mean x^2 and X^T X.
+2. Each projection group (per layer: attention q|k|v and o_proj, or DeltaNet in_proj_qkv|in_proj_z and
+   out_proj; MLP gate|up and down_proj; the LM head) is quantized alone to each candidate format (awq.py),
+   its dequantized weights set into the engine in memory (Engine.set_linear_weight), and the KL divergence
+   of the next-token distributions from the unquantized model's measured on held-out samples.
+3. The plan: one format for every group but the LM head (recipes fp8 / nvfp4, ModelOpt's defaults), or
+   per group (mixed: plan.choose_mixed under a byte budget or a KL threshold). Embeddings, norms, the
+   DeltaNet conv, in_proj_a / in_proj_b and the vision encoder stay in the checkpoint's dtype.
+4. The checkpoint (writer.py) in ModelOpt's layout, with the AWQ scales folded into the layers before
+   each group; it is written to a temporary directory beside OUT_DIR, loaded and scored by a fresh engine
+   (the measured KL), and renamed to OUT_DIR only when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from ..errors import FileError, InvalidArgumentError, ModelError
+from . import calibration, plan as planning, writer
+from .awq import format_bytes, quantize_group
+from .report import format_table, write_kl_plot
+from .safetensors_io import DTYPE_BYTES, Checkpoint
+
+RECIPES = ("fp8", "nvfp4", "mixed")
+METHODS = ("awq", "rtn")
+DEFAULT_CALIBRATION_PAGES = 32
+DEFAULT_MAX_KL = 0.05  # nats per token, summed over the groups: mixed without a budget
+REPORT_NAME, PLOT_NAME = "quantization_report.json", "quantization_kl.png"
+
+
+@dataclass
+class QuantizationResult:
+    """What quantize() returns: the format of each projection group, the report written beside the
+    checkpoint (quantization_report.json), and the checkpoint's directory."""
+
+    plan: dict[str, str]
+    report: dict[str, Any]
+    out_dir: Path
+
+    def table(self) -> str:
+        return format_table(self.report)
+
+
+class _Progress:
+    """One line on stderr per stage: "quantize: calibration 12/24 (3.1 s)"."""
+
+    def __init__(self, mode: bool | str, stream: IO[str] | None = None) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.enabled = mode == "always" or (mode is True and self.tty)
+        self.stage, self.total, self.done, self.t0 = "", 0, 0, time.perf_counter()
+
+    def start(self, stage: str, total: int) -> None:
+        self.stage, self.total, self.done, self.t0 = stage, total, 0, time.perf_counter()
+        self._show()
+
+    def tick(self) -> None:
+        self.done += 1
+        self._show()
+
+    def _show(self) -> None:
+        if not self.enabled:
+            return
+        width = 24
+        filled = width * self.done // max(self.total, 1)
+        line = (f"ocria-rt quantize: {self.stage:<22} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total}"
+                f" ({time.perf_counter() - self.t0:.1f} s)")
+        end = self.done >= self.total
+        if self.tty:
+            self.stream.write("\r" + line + "\x1b[K" + ("\n" if end else ""))
+        elif end:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+def _check_out_dir(model_dir: Path, out_dir: Path, force: bool) -> None:
+    if out_dir.resolve() == model_dir.resolve():
+        raise InvalidArgumentError(f"OUT_DIR '{out_dir}' is the model directory itself")
+    if out_dir.exists():
+        if not out_dir.is_dir():
+            raise FileError(f"OUT_DIR '{out_dir}' exists and is not a directory")
+        if any(out_dir.iterdir()) and not force:
+            raise FileError(f"OUT_DIR '{out_dir}' exists and is not empty (force=True / --force replaces it)")
+
+
+def quantize(
+    model_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    recipe: str = "mixed",
+    *,
+    calib: list[str | os.PathLike[str]] | None = None,
+    calib_synthetic: int | None = None,
+    budget: str | float | None = None,
+    max_kl: float | None = None,
+    method: str = "awq",
+    device: str = "cpu",
+    force: bool = False,
+    heldout: int | None = None,
+    seed: int = 0,
+    num_threads: int = 0,
+    max_new_tokens: int = 512,
+    page_config: Any = None,
+    progress: bool | str = True,
+    progress_stream: IO[str] | None = None,
+) -> QuantizationResult:
+    """Quantizes the dense checkpoint in model_dir and writes a ModelOpt-format checkpoint to out_dir.
+
+    recipe: "fp8" or "nvfp4" (every projection but the LM head, ModelOpt's defaults) or "mixed" (a format
+    per projection group, the LM head included). method: "awq" (activation-aware scales and clipped block
+    scales) or "rtn" (ModelOpt's plain rounding). calib: PDF / image files (rendered and preprocessed as
+    parse() does; the model's greedy output is the continuation) or text files; calib_synthetic: that many
+    synthdoc pages with their true Markdown (the default, 32 pages). heldout: samples kept out of the
+    statistics for the KL (default a quarter). budget (mixed): "4.5" bits per weight, "40%" of the BF16
+    bytes, or bytes ("3MB"); else max_kl (mixed): the summed KL allowed (default 0.05 nats per token).
+    force: replace a non-empty out_dir. page_config: the synthdoc.PageConfig of synthetic pages (default:
+    the model's training pages, else synthdoc's defaults). Raises an OcriaError naming the file or argument
+    at fault; nothing is left at out_dir unless the whole checkpoint was written.
+    """
+    from .. import _core
+    from ..engine import Engine
+
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    if recipe not in RECIPES:
+        raise InvalidArgumentError(f"recipe must be one of {', '.join(RECIPES)}, got {recipe!r}")
+    if method not in METHODS:
+        raise InvalidArgumentError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    if calib is not None and calib_synthetic is not None:
+        raise InvalidArgumentError("give calibration files or a number of synthetic pages, not both")
+    if calib_synthetic is not None and (isinstance(calib_synthetic, bool) or int(calib_synthetic) < 1):
+        raise InvalidArgumentError(f"calib_synthetic must be a positive number of pages, got {calib_synthetic!r}")
+    if recipe != "mixed" and (budget is not None or max_kl is not None):
+        raise InvalidArgumentError(f"budget and max_kl choose a mixed plan; recipe {recipe!r} has one format")
+    if budget is not None and max_kl is not None:
+        raise InvalidArgumentError("give a budget or max_kl, not both")
+    if max_kl is not None and not max_kl >= 0:
+        raise InvalidArgumentError(f"max_kl must be >= 0, got {max_kl!r}")
+    if heldout is not None and int(heldout) < 1:
+        raise InvalidArgumentError(f"heldout must be at least 1, got {heldout!r}")
+    if not (model_dir / "config.json").is_file():
+        raise FileError(f"model directory '{model_dir}' does not exist or has no config.json")
+    _check_out_dir(model_dir, out_dir, force)
+    config = _core.load_config(str(model_dir))
+    if calib is not None:
+        calibration.check_files(calib, bool(config["has_vision"]))
+
+    bar = _Progress(progress, progress_stream)
+    eng = Engine(model_dir, device=device, num_threads=num_threads, linear_observer=True)
+    groups = writer.projection_groups(eng.linear_groups())
+    quantized = [g for g in groups if g.slot_format != "dense"]
+    if quantized:
+        raise ModelError(f"model '{model_dir}' is already quantized ({quantized[0].modules[0]} is "
+                         f"{quantized[0].slot_format}); quantize a dense checkpoint")
+    ck = Checkpoint(model_dir)
+    if recipe == "mixed":
+        trial_formats = ("fp8", "nvfp4")
+        candidates = groups
+    else:
+        trial_formats = (recipe,)
+        candidates = [g for g in groups if g.kind != "lm_head"]
+    nbytes = {g.name: _bytes_by_format(g, ck, trial_formats) for g in candidates}
+    weights = sum(g.weights for g in candidates)
+    budget_bytes = None
+    if budget is not None:
+        budget_bytes = planning.parse_budget(budget, weights)
+        least = planning.smallest_bytes(nbytes)
+        if budget_bytes < least:
+            raise InvalidArgumentError(f"budget {budget!r} = {budget_bytes:,} bytes is below the smallest possible "
+                                       f"checkpoint of these projections ({least:,} bytes, "
+                                       f"{8 * least / weights:.2f} bits per weight)")
+
+    # 1. calibration samples, statistics and the reference next-token distributions
+    n = DEFAULT_CALIBRATION_PAGES if calib is None and calib_synthetic is None else (calib_synthetic or 0)
+    if calib is not None:
+        bar.start("calibration inputs", len(calib))
+        samples = calibration.file_samples(eng, calib, max_new_tokens, tick=bar.tick)
+    else:
+        bar.start("calibration pages", n)
+        samples = calibration.synthetic_samples(eng, n, seed, page_config, tick=bar.tick)
+    if heldout is not None and len(samples) < int(heldout) + 1:
+        raise InvalidArgumentError(f"heldout={heldout} leaves no calibration sample of {len(samples)}")
+    n_held = int(heldout) if heldout is not None else (max(1, len(samples) // 4) if len(samples) > 1 else 0)
+    calib_set = samples[: len(samples) - n_held]
+    held = samples[len(samples) - n_held :] or samples  # a single sample serves both
+    bar.start("input statistics", len(calib_set))
+    stats = calibration.collect_stats(eng, calib_set, tick=bar.tick)
+    bar.start("reference outputs", len(held))
+    reference = []
+    for s in held:
+        reference.append(calibration.continuation_logprobs(eng, s))
+        bar.tick()
+
+    # 2. each group alone in each candidate format
+    shapes = writer.Shapes.of(config)
+    source = writer.SourceWeights(ck, groups)
+    trials: dict[str, dict[str, Any]] = {g.name: {} for g in candidates}
+    work = [(g, f) for g in candidates for f in trial_formats if f in nbytes[g.name]]
+    bar.start("sensitivity", len(work))
+    for g, fmt in work:
+        parts = [source.get(m) for m in g.modules]
+        gq = quantize_group(parts, fmt, stats[g.slot], method, writer.tie_classes(g, shapes))
+        for m, w in zip(g.modules, gq.effective()):
+            eng.set_linear_weight(m, w)
+        try:
+            kl = calibration.kl_divergence(eng, held, reference)
+        finally:
+            eng.restore_linear_weights()
+        trials[g.name][fmt] = {"kl": kl, "alpha": gq.alpha, "output_error": gq.error, "rtn_output_error": gq.rtn_error,
+                               "searched_blocks": gq.searched_blocks}
+        bar.tick()
+
+    # 3. the plan
+    if recipe == "mixed":
+        kl_table = {g: {"dense": 0.0, **{f: t["kl"] for f, t in trials[g].items()}} for g in trials}
+        plan = planning.choose_mixed(kl_table, nbytes, budget=budget_bytes,
+                                     max_kl=None if budget_bytes is not None else (DEFAULT_MAX_KL if max_kl is None else max_kl))
+    else:  # NVFP4 where the inputs fill its blocks, else FP8
+        plan = {g.name: recipe if recipe in nbytes[g.name] else "fp8" for g in candidates}
+    full_plan = {g.name: plan.get(g.name, "dense") for g in groups}
+
+    # 4. the checkpoint, in a temporary directory beside out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's directory is private
+    try:
+        bar.start("writing", 1)
+        built = writer.write_checkpoint(tmp, model_dir, ck, groups, full_plan, stats, method, shapes)
+        bar.tick()
+        del eng
+        bar.start("checking", len(held))
+        check = Engine(tmp, device=device, num_threads=num_threads)
+        total_kl = 0.0
+        for s, ref in zip(held, reference):
+            total_kl += calibration.kl_divergence(check, [s], [ref]) * len(ref)
+            bar.tick()
+        measured_kl = total_kl / max(sum(len(r) for r in reference), 1)
+        report = _report(model_dir, recipe, method, built, groups, full_plan, trials, nbytes, ck, samples, calib_set,
+                         held, n_held, measured_kl, budget, budget_bytes, max_kl, check.stats(), tmp)
+        del check
+        (tmp / REPORT_NAME).write_text(json.dumps(report, indent=1) + "\n")
+        write_kl_plot(tmp / PLOT_NAME, report)
+        _replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return QuantizationResult(plan=full_plan, report=report, out_dir=out_dir)
+
+
+def _bytes_by_format(g: writer.Group, ck: Checkpoint, formats: tuple[str, ...]) -> dict[str, int]:
+    """Checkpoint bytes of the group in "dense" (its dtype) and in each format its inputs allow."""
+    dense_bytes = DTYPE_BYTES[ck.dtype(writer.weight_name(g, g.modules[0], ck))]
+    out = {"dense": sum(format_bytes("dense", r, g.in_features, dense_bytes) for r in g.rows)}
+    for f in formats:
+        if f == "nvfp4" and g.in_features % 16:
+            continue  # NVFP4 blocks need K to be a multiple of 16
+        out[f] = sum(format_bytes(f, r, g.in_features, dense_bytes) for r in g.rows)
+    return out
+
+
+def _report(model_dir: Path, recipe: str, method: str, built: writer.Built, groups: list[writer.Group],
+            plan: dict[str, str], trials: dict, nbytes: dict, ck: Checkpoint, samples: list, calib_set: list,
+            held: list, n_held: int, measured_kl: float, budget: Any, budget_bytes: int | None, max_kl: float | None,
+            stats: dict, out: Path) -> dict[str, Any]:
+    rows = []
+    for g in groups:
+        fmt = plan[g.name]
+        b = nbytes.get(g.name) or _bytes_by_format(g, ck, ())
+        t = trials.get(g.name, {})
+        rows.append({
+            "name": g.name, "short": g.short, "kind": g.kind, "layer": g.layer, "modules": g.modules, "format": fmt,
+            "weights": g.weights, "bytes": b[fmt], "bf16_bytes": 2 * g.weights, "bytes_by_format": b,
+            "kl": {f: v["kl"] for f, v in t.items()},
+            "awq": {f: {k: v[k] for k in ("alpha", "output_error", "rtn_output_error", "searched_blocks")}
+                    for f, v in t.items()},
+        })
+    considered = [r for r in rows if r["name"] in nbytes]
+    total_bytes = sum(r["bytes"] for r in considered)
+    weights = sum(r["weights"] for r in considered)
+    summed = sum(r["kl"].get(r["format"], 0.0) for r in considered)
+    quant_algo = built.quant_algo
+    return {
+        "model": str(model_dir), "model_name": model_dir.name, "recipe": recipe, "method": method,
+        "quant_algo": quant_algo, "plan": plan,
+        "calibration": {
+            "samples": len(calib_set), "heldout_samples": n_held, "tokens": sum(len(s.ids) for s in calib_set),
+            "heldout_continuation_tokens": sum(s.answer_tokens for s in held),
+            "sources": [s.source for s in samples[:8]] + (["..."] if len(samples) > 8 else []),
+        },
+        "budget": None if budget is None else {"given": str(budget), "bytes": budget_bytes},
+        "max_kl": None if recipe != "mixed" or budget is not None else (DEFAULT_MAX_KL if max_kl is None else max_kl),
+        "groups": rows,
+        "total": {
+            "groups": [r["name"] for r in considered], "weights": weights, "bytes": total_bytes,
+            "bf16_bytes": 2 * weights, "fraction_of_bf16": total_bytes / max(2 * weights, 1),
+            "bits_per_weight": 8 * total_bytes / max(weights, 1), "summed_kl": summed, "measured_kl": measured_kl,
+            "checkpoint_bytes": sum(f.stat().st_size for f in out.iterdir() if f.suffix == ".safetensors"),
+            "engine_weight_bytes_by_format": stats["weight_bytes_by_format"],
+        },
+    }
+
+
+def _replace(tmp: Path, out_dir: Path) -> None:
+    """Moves the finished checkpoint to out_dir (an existing one, with force, only once this is done)."""
+    old = None
+    if out_dir.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".old", dir=out_dir.parent))
+        os.replace(out_dir, old / "previous")
+    try:
+        os.replace(tmp, out_dir)
+    except OSError as e:
+        if old is not None:
+            os.replace(old / "previous", out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        raise FileError(f"cannot move the checkpoint to '{out_dir}': {e}") from e
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+__all__ = ["QuantizationResult", "quantize", "format_table", "RECIPES", "METHODS"]

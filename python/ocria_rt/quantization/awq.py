@@ -1,0 +1,230 @@
+"""Quantizing one projection group (the modules fused into one projection: q|k|v, gate|up, in_proj_qkv|
+in_proj_z, or a single module) from its calibration statistics: plain round-to-nearest (ModelOpt's
+scales), or activation-aware scaling with an error-minimising search.
+
+AWQ: x W^T = (x / s) (W diag(s))^T for any per-input-channel s > 0. Scaling up the columns of channels
+with large activations before quantizing protects them; the input is multiplied by the pre_quant_scale
+p = 1 / s (which a writer folds into the layer before: a norm's weight, or the rows of the projection
+that produces x). s = mean|x|^alpha, normalised to a geometric mid-range of 1, with alpha from a grid;
+the alpha kept minimises the output error on the calibration activations,
+
+    E = sum over parts of tr(D C D^T),   D = W - dequant(quant(W diag(s))) diag(1 / s),   C = X^T X / n,
+
+which alpha = 0 (s = 1, plain rounding) bounds from above. Then each NVFP4 block's scale is picked from
+a grid of scaled block maxima (0.6 to 1.1: clipping the largest values, or not) by the same error
+restricted to the block (its 16 x 16 block of C), and kept only where the whole projection's E goes down.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import formats as F
+
+ALPHAS = np.linspace(0.0, 1.0, 11)
+CLIP_GRID = np.array([1.1, 1.05, 1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6], np.float32)
+SEARCH_ROWS = 4096  # rows of the parts (spread evenly) that the alpha search quantizes
+
+
+@dataclass
+class QuantizedWeight:
+    """One checkpoint module's weight as ModelOpt stores it: FP8 codes [N, K] with weight_scale, or NVFP4
+    packed codes [N, K/2] with block scales [N, K/16] and weight_scale_2; input_scale for the activations
+    (amax / 448, or amax / (6 * 448) for NVFP4)."""
+
+    fmt: str
+    codes: np.ndarray
+    scale: np.float32
+    input_scale: np.float32
+    block_scale: np.ndarray | None = None
+
+    def dequantize(self) -> np.ndarray:
+        if self.fmt == "fp8":
+            return F.fp8_dequantize(self.codes, self.scale)
+        return F.nvfp4_dequantize(self.codes, self.block_scale, self.scale)
+
+    def tensors(self, module: str) -> dict[str, tuple[str, np.ndarray]]:
+        """The safetensors entries of the module, named and typed as ModelOpt writes them."""
+        scalar = lambda v: np.array(v, np.float32).reshape(())  # noqa: E731
+        if self.fmt == "fp8":
+            return {module + ".weight": ("F8_E4M3", self.codes), module + ".weight_scale": ("F32", scalar(self.scale)),
+                    module + ".input_scale": ("F32", scalar(self.input_scale))}
+        return {module + ".weight": ("U8", self.codes), module + ".weight_scale": ("F8_E4M3", self.block_scale),
+                module + ".weight_scale_2": ("F32", scalar(self.scale)),
+                module + ".input_scale": ("F32", scalar(self.input_scale))}
+
+
+def format_bytes(fmt: str, rows: int, cols: int, dense_bytes_per_weight: int) -> int:
+    """Checkpoint bytes of one [rows, cols] module in a format (scalar scales included)."""
+    if fmt == "fp8":
+        return rows * cols + 8
+    if fmt == "nvfp4":
+        return rows * cols // 2 + rows * cols // F.NVFP4_BLOCK + 8
+    return rows * cols * dense_bytes_per_weight
+
+
+@dataclass
+class GroupQuantization:
+    weights: list[QuantizedWeight]      # one per part
+    pre_quant_scale: np.ndarray | None  # p [K] = 1 / s, multiplies the input; None: plain rounding
+    alpha: float                        # 0 for plain rounding
+    searched_blocks: float              # share of NVFP4 blocks whose scale the search changed
+    error: float                        # E of these weights
+    rtn_error: float                    # E of plain rounding
+
+    def effective(self) -> list[np.ndarray]:
+        """Each part's dequantized weight in the original input domain (as the model computes with it)."""
+        p = self.pre_quant_scale
+        return [w.dequantize() if p is None else w.dequantize() * p[None, :].astype(np.float32) for w in self.weights]
+
+
+class Moments:
+    """The second moment C = X^T X / n of a projection's input: the full matrix, or only its diagonal
+    (mean x^2) where the engine kept no matrix (inputs wider than it keeps them for)."""
+
+    def __init__(self, full: np.ndarray | None, diag: np.ndarray) -> None:
+        self.full = None if full is None else np.asarray(full, np.float32)
+        self.diag = np.asarray(diag, np.float32)
+
+    @staticmethod
+    def of(stats: dict) -> Moments:
+        return Moments(stats.get("second_moment"), stats["square_mean"])
+
+    def scaled(self, s: np.ndarray) -> Moments:
+        """The moments of x / s."""
+        return Moments(None if self.full is None else self.full / np.outer(s, s), self.diag / (s * s))
+
+    def error(self, d: np.ndarray) -> float:
+        """tr(d C d^T)."""
+        d = np.asarray(d, np.float32)
+        if self.full is None:
+            return float(np.einsum("nk,nk,k->", d, d, self.diag, dtype=np.float64))
+        return float(np.einsum("nk,nk->", d @ self.full, d, dtype=np.float64))
+
+    def blocks(self) -> np.ndarray:
+        """The NVFP4 blocks' 16 x 16 diagonal blocks of C, [K / 16, 16, 16]."""
+        nb, b = len(self.diag) // F.NVFP4_BLOCK, F.NVFP4_BLOCK
+        if self.full is None:
+            return np.stack([np.diag(self.diag[i * b:(i + 1) * b]) for i in range(nb)])
+        return np.stack([self.full[i * b:(i + 1) * b, i * b:(i + 1) * b] for i in range(nb)])
+
+
+def output_error(parts: list[np.ndarray], effective: list[np.ndarray], C: Moments) -> float:
+    """sum over parts of tr(D C D^T), D = W - W_eff."""
+    return sum(C.error(w - e) for w, e in zip(parts, effective))
+
+
+def _scales(abs_mean: np.ndarray, alpha: float, tie: np.ndarray | None) -> np.ndarray:
+    """s = mean|x|^alpha (tie: channels with one class id share their class's mean), normalised so that
+    sqrt(max(s) * min(s)) = 1."""
+    m = np.asarray(abs_mean, np.float64)
+    if tie is not None:
+        m = (np.bincount(tie, weights=m) / np.bincount(tie))[tie]
+    m = np.maximum(m, max(float(m.max()), 1e-30) * 1e-6)
+    s = m**alpha
+    s = s / np.sqrt(s.max() * s.min())
+    return np.clip(s, 1e-4, 1e4).astype(np.float32)
+
+
+def _input_scale(fmt: str, abs_max: np.ndarray, p: np.ndarray | None) -> np.float32:
+    amax = float(np.max(abs_max * (1.0 if p is None else p))) if len(abs_max) else 0.0
+    return np.float32(amax / (F.FP8_MAX * (F.E2M1_MAX if fmt == "nvfp4" else 1.0))) if amax > 0 else np.float32(1.0)
+
+
+def _searched_block_scales(w: np.ndarray, gs: np.float32, C: Moments) -> tuple[np.ndarray, float]:
+    """NVFP4 block scales of w [N, K] minimising each block's d^T C_bb d over CLIP_GRID (ModelOpt's scale,
+    factor 1, is one of them); returns the codes and the share of blocks whose scale changed."""
+    n, k = w.shape
+    nb = k // F.NVFP4_BLOCK
+    cbb = C.blocks()
+    amax = F.block_amax(w)
+    best = F.nvfp4_block_scales(amax, gs)
+    chunk = max(1, (1 << 22) // max(k, 1))
+    for r0 in range(0, n, chunk):
+        rows = slice(r0, min(n, r0 + chunk))
+        wr = w[rows].reshape(-1, nb, F.NVFP4_BLOCK)
+        best_err = None
+        for c in CLIP_GRID:
+            bs = F.nvfp4_block_scales(amax[rows], gs, c)
+            codes = F.nvfp4_codes(w[rows], bs, gs)
+            d = wr - F.nvfp4_dequantize_codes(codes, bs, gs).reshape(wr.shape)
+            err = np.einsum("nbi,bij,nbj->nb", d, cbb, d)
+            if best_err is None:
+                best_err, best[rows] = err, bs
+            else:
+                better = err < best_err
+                best_err = np.where(better, err, best_err)
+                best[rows] = np.where(better, bs, best[rows])
+    unclipped = F.nvfp4_block_scales(amax, gs)
+    return best, float(np.mean(best != unclipped)) if best.size else 0.0
+
+
+def _quantize(parts: list[np.ndarray], fmt: str, s: np.ndarray | None, C: Moments, clip: bool,
+              rows: list[np.ndarray] | None = None) -> tuple[list[QuantizedWeight], float]:
+    """The parts' columns times s quantized with one shared global scale (only `rows` of each part when
+    given); returns the weights (input_scale unset) and the share of NVFP4 blocks the search changed."""
+    scaled = [w if s is None else w * s[None, :] for w in parts]
+    amax = max(float(np.abs(w).max()) if w.size else 0.0 for w in scaled)
+    if rows is not None:
+        scaled = [w[r] for w, r in zip(scaled, rows)]
+    out, searched = [], []
+    if fmt == "fp8":
+        scale = F.fp8_scale(amax)
+        return [QuantizedWeight("fp8", F.fp8_quantize(w, scale), scale, np.float32(1.0)) for w in scaled], 0.0
+    gs = F.nvfp4_global_scale(amax)
+    for w in scaled:
+        if clip:
+            bs, share = _searched_block_scales(w, gs, C if s is None else C.scaled(s))
+            searched.append(share)
+        else:
+            bs = F.nvfp4_block_scales(F.block_amax(w), gs)
+        out.append(QuantizedWeight("nvfp4", F.pack_e2m1(F.nvfp4_codes(w, bs, gs)), gs, np.float32(1.0), bs))
+    return out, float(np.mean(searched)) if searched else 0.0
+
+
+def quantize_group(parts: list[np.ndarray], fmt: str, stats: dict, method: str = "awq",
+                   tie: np.ndarray | None = None) -> GroupQuantization:
+    """Quantizes the parts [N_i, K] (float32) of one projection to fmt ("fp8" or "nvfp4") sharing one global
+    scale. stats: the calibration statistics of the projection's input ("abs_max", "abs_mean",
+    "square_mean", "second_moment", which may be None: its diagonal square_mean stands in). method "rtn":
+    ModelOpt's round-to-nearest; "awq": the search of the module docstring (tie: per-channel class ids whose
+    channels must share one scale, for a fold that needs it)."""
+    if method not in ("rtn", "awq"):
+        raise ValueError(f"method must be 'rtn' or 'awq', got {method!r}")
+    parts = [np.asarray(w, np.float32) for w in parts]
+    C = Moments.of(stats)
+
+    def finish(weights: list[QuantizedWeight], p: np.ndarray | None, alpha: float, searched: float, error: float,
+               rtn_error: float) -> GroupQuantization:
+        for w in weights:
+            w.input_scale = _input_scale(fmt, stats["abs_max"], p)
+        return GroupQuantization(weights, p, alpha, searched, error, rtn_error)
+
+    rtn, _ = _quantize(parts, fmt, None, C, clip=False)
+    rtn_error = output_error(parts, [w.dequantize() for w in rtn], C)
+    if method == "rtn":
+        return finish(rtn, None, 0.0, 0.0, rtn_error, rtn_error)
+
+    # alpha search on at most SEARCH_ROWS rows, spread evenly over the parts
+    total = sum(w.shape[0] for w in parts)
+    rows = None
+    if total > SEARCH_ROWS:
+        rows = [np.linspace(0, w.shape[0] - 1, max(1, w.shape[0] * SEARCH_ROWS // total)).astype(np.int64) for w in parts]
+    sub = parts if rows is None else [w[r] for w, r in zip(parts, rows)]
+    best_alpha, best_err = 0.0, None
+    for alpha in ALPHAS:
+        s = _scales(stats["abs_mean"], float(alpha), tie)
+        q, _ = _quantize(parts, fmt, s, C, clip=False, rows=rows)
+        err = output_error(sub, [w.dequantize() / s[None, :] for w in q], C)
+        if best_err is None or err < best_err:
+            best_alpha, best_err = float(alpha), err
+    s = _scales(stats["abs_mean"], best_alpha, tie)
+    candidates = [(rtn, None, 0.0, 0.0, rtn_error)]
+    for clip in ((False, True) if fmt == "nvfp4" else (False,)):
+        q, searched = _quantize(parts, fmt, s, C, clip=clip)
+        err = output_error(parts, [w.dequantize() / s[None, :] for w in q], C)
+        candidates.append((q, (1.0 / s).astype(np.float32), best_alpha, searched, err))
+    q, p, alpha, searched, err = min(candidates, key=lambda c: c[4])
+    return finish(q, p, alpha, searched, err, rtn_error)

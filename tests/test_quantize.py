@@ -1,0 +1,490 @@
+"""ocria_rt.quantize and the engine's calibration hooks, on small random models: the observer's input
+statistics against numpy, in-memory weight replacement, the codes against ModelOpt's, the checkpoints it
+writes against ModelOpt's own exports (tests/fixtures/quant), the engine's scores of them against their
+dequantized twins and against the source model with the effective weights (the AWQ folds), AWQ against
+plain rounding, budgets, and bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ocria_rt
+import quant_checkpoints as qc
+import quant_numpy as qn
+from ocria_rt.quantization import formats as F, writer
+from ocria_rt.quantization.safetensors_io import Checkpoint
+from ocria_rt.synthdoc import PageConfig
+from support import FIXTURES, TINY_VLM, relerr
+
+TEXT = FIXTURES / "text_tied"  # F32, tied embeddings, model.* keys, no tokenizer: random-token calibration
+QUANT = FIXTURES / "quant"
+TINY_PAGES = PageConfig(long_side=(160, 192), body_px=(14, 16), max_chars=40, fonts="pillow", use_faker=False)
+SCALE_SUFFIXES = (".weight_scale", ".weight_scale_2", ".input_scale")
+
+
+def engine(model_dir, **kw):
+    return ocria_rt.Engine(model_dir, num_threads=1, **kw)  # tiny models: one thread is the fastest
+
+
+def ids(n=40, seed=3):
+    return [int(t) for t in np.random.default_rng(seed).integers(0, 512, n)]
+
+
+def run(tmp, src=TEXT, name="q", **kw):
+    kw.setdefault("calib_synthetic", 4)
+    kw.setdefault("heldout", 1)
+    return ocria_rt.quantize(src, tmp / name, num_threads=1, progress=False, **kw)
+
+
+# ---- codes ----
+
+def test_e4m3_and_e2m1_rounding():
+    finite = np.array([c for c in range(1, 0x7F)], np.uint8)
+    values = F.e4m3_decode(finite)
+    np.testing.assert_array_equal(F.e4m3_encode(values), finite)
+    np.testing.assert_array_equal(F.e4m3_encode(-values), finite | 0x80)
+    mid = (values[:-1] + values[1:]) / 2  # ties go to the even code
+    want = np.where(finite[:-1] % 2 == 0, finite[:-1], finite[1:])
+    np.testing.assert_array_equal(F.e4m3_encode(mid), want)
+    assert F.e4m3_encode(np.float32(1e6)) == 0x7E  # saturates at 448
+    # E2M1 ties (shared QUANT.md): 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4
+    q = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, -0.1, -5.5], np.float32)
+    np.testing.assert_array_equal(F.e2m1_decode(F.e2m1_encode(q)), [0, 1, 1, 2, 2, 4, 4, 6, -0.0, -6])
+    assert F.e2m1_encode(np.float32(-0.1)) == 8  # -0 keeps its sign bit, as both tools write it
+    codes = np.random.default_rng(0).integers(0, 16, (3, 32)).astype(np.uint8)
+    packed = F.pack_e2m1(codes)
+    np.testing.assert_array_equal(qn.decode_e2m1(packed), F.e2m1_decode(codes))  # element 2j in the low nibble
+
+
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("in_proj_qkv", "in_proj_z"))
+
+
+@pytest.mark.parametrize("fixture,fmt", [("modelopt_nvfp4", "nvfp4"), ("modelopt_fp8", "fp8")])
+def test_codes_reproduce_modelopt(fixture, fmt):
+    """ModelOpt's dequantized weights quantized again: block scales and codes are ModelOpt's bit for bit (its
+    largest codes are 6 and so the block scales come back exactly), and so are the NVFP4 global scales, from
+    the amax over each fused projection (q|k|v, gate|up, in_proj_qkv|in_proj_z share one)."""
+    t = qn.read_checkpoint(QUANT / fixture)
+    deq = {m: qn.dequant_linear(t, m, f) for m, f in qn.quantized_linears(t).items()}
+    for module, w in deq.items():
+        if fmt == "nvfp4":
+            gs = np.float32(t[module + ".weight_scale_2"].f32())
+            parent, name = module.rsplit(".", 1)
+            fused = next((f for f in FUSED if name in f), (name,))
+            amax = max(float(np.abs(deq[f"{parent}.{p}"]).max()) for p in fused)
+            assert F.nvfp4_global_scale(amax) == pytest.approx(float(gs), rel=1e-6), module
+            bs = F.nvfp4_block_scales(F.block_amax(w), gs)
+            np.testing.assert_array_equal(bs, t[module + ".weight_scale"].raw, err_msg=module)
+            np.testing.assert_array_equal(F.pack_e2m1(F.nvfp4_codes(w, bs, gs)), t[module + ".weight"].raw, err_msg=module)
+        else:
+            scale = F.fp8_scale(float(np.abs(w).max()))
+            assert scale == pytest.approx(float(t[module + ".weight_scale"].f32()), rel=1e-6)
+            np.testing.assert_array_equal(F.fp8_quantize(w, scale), t[module + ".weight"].raw, err_msg=module)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+@pytest.mark.parametrize("full", [True, False])
+def test_awq_protects_large_channels(fmt, full):
+    """Inputs with a few channels 30 times larger than the rest: AWQ's scales cut the output error on them
+    well below plain rounding's (with the second moment, or its diagonal alone for wide inputs)."""
+    from ocria_rt.quantization.awq import quantize_group
+
+    rng = np.random.default_rng(0)
+    k = 128
+    x = rng.standard_normal((2048, k)) * np.where(np.arange(k) % 37 == 0, 30.0, 1.0)
+    parts = [rng.standard_normal((96, k)).astype(np.float32), rng.standard_normal((32, k)).astype(np.float32)]
+    stats = {"abs_max": np.abs(x).max(0), "abs_mean": np.abs(x).mean(0), "square_mean": (x**2).mean(0),
+             "second_moment": x.T @ x / len(x) if full else None}
+    rtn, awq = (quantize_group(parts, fmt, stats, m) for m in ("rtn", "awq"))
+    assert rtn.pre_quant_scale is None and awq.pre_quant_scale is not None and awq.alpha > 0
+    assert awq.error < (0.7 if fmt == "nvfp4" else 0.9) * awq.rtn_error and awq.rtn_error == rtn.error
+    y = x[:256].astype(np.float32)  # the error it reports is the error of the outputs
+    out_err = sum(float(np.sum((y @ (w - e).T) ** 2)) for w, e in zip(parts, awq.effective())) / len(y)
+    assert out_err == pytest.approx(awq.error, rel=0.25)
+    if fmt == "nvfp4":  # one global scale for the parts
+        assert awq.weights[0].scale == awq.weights[1].scale and awq.weights[0].input_scale == awq.weights[1].input_scale
+
+
+# ---- the engine's calibration hooks ----
+
+def test_observer_statistics_match_numpy():
+    """The first projection's input is rms_norm(embeddings) * (1 + w): its statistics from the observer are
+    those of numpy's, though the engine folded (1 + w) into the weights."""
+    t = qn.read_checkpoint(TEXT)
+    eng = engine(TEXT, linear_observer=True)
+    tokens = ids(37)
+    plain = engine(TEXT).score(tokens)
+    eng.observe_linear_inputs(True, second_moment=True)
+    np.testing.assert_array_equal(eng.score(tokens), plain)  # observing changes nothing
+    eng.observe_linear_inputs(False)
+    eng.score(ids(5))  # not observed
+    st = eng.linear_input_stats()
+    groups = eng.linear_groups()
+    assert groups[0]["modules"][:2] == ["model.layers.0.linear_attn.in_proj_qkv", "model.layers.0.linear_attn.in_proj_z"]
+    assert groups[-1] == {"modules": ["lm_head"], "rows": [512], "in_features": 64, "format": "dense"}
+    assert len(st) == len(groups) and st[0]["tokens"] == 37
+    x = t["model.embed_tokens.weight"].f32()[tokens].astype(np.float64)
+    u = x / np.sqrt((x**2).mean(1, keepdims=True) + 1e-6) * (1 + t["model.layers.0.input_layernorm.weight"].f32())
+    np.testing.assert_allclose(st[0]["abs_max"], np.abs(u).max(0), rtol=1e-5)
+    np.testing.assert_allclose(st[0]["abs_mean"], np.abs(u).mean(0), rtol=1e-5)
+    np.testing.assert_allclose(st[0]["square_mean"], (u**2).mean(0), rtol=1e-5)
+    np.testing.assert_allclose(st[0]["second_moment"], u.T @ u / len(tokens), rtol=1e-4, atol=1e-6)
+    with pytest.raises(ocria_rt.InvalidArgumentError, match="without linear_observer"):
+        engine(TEXT).observe_linear_inputs(True)
+
+
+def test_set_linear_weight_and_restore():
+    t = qn.read_checkpoint(TEXT)
+    eng = engine(TEXT)
+    tokens = ids()
+    base = eng.score(tokens)
+    up = t["model.layers.2.mlp.up_proj.weight"].f32()
+    eng.set_linear_weight("model.layers.2.mlp.up_proj", up)  # the same weight: the same scores
+    np.testing.assert_array_equal(eng.score(tokens), base)
+    eng.set_linear_weight("model.language_model.layers.2.mlp.up_proj", up * 0.5)  # either key layout
+    assert relerr(eng.score(tokens), base) > 1e-3
+    eng.restore_linear_weights()
+    np.testing.assert_array_equal(eng.score(tokens), base)
+    emb = t["model.embed_tokens.weight"].f32()  # the tied LM head gets its own weight; the embeddings stay
+    eng.set_linear_weight("lm_head", 0.5 * emb)
+    np.testing.assert_allclose(eng.score(tokens), 0.5 * base, rtol=1e-6, atol=1e-6)
+    eng.restore_linear_weights()
+    np.testing.assert_array_equal(eng.score(tokens), base)
+    with pytest.raises(ocria_rt.InvalidArgumentError, match="no projection module 'model.layers.2.mlp.up_prj'"):
+        eng.set_linear_weight("model.layers.2.mlp.up_prj", up)
+    with pytest.raises(ocria_rt.InvalidArgumentError, match=r"up_proj' is \[128, 64\], got 192 values"):
+        eng.set_linear_weight("model.layers.2.mlp.up_proj", up[:3])
+    with pytest.raises(ocria_rt.InvalidArgumentError, match="is stored quantized"):
+        engine(QUANT / "modelopt_nvfp4").set_linear_weight("model.language_model.layers.0.mlp.up_proj", up)
+
+
+# ---- checkpoints ----
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """text_tied quantized with each uniform recipe and method."""
+    tmp = tmp_path_factory.mktemp("quantized")
+    return {(r, m): run(tmp, name=f"{r}-{m}", recipe=r, method=m) for r in ("nvfp4", "fp8") for m in ("rtn", "awq")}
+
+
+def tensor_kinds(tensors, module):
+    """suffix -> (dtype, number of dimensions) of a quantized module's tensors."""
+    return {n[len(module):]: (t.dtype, len(t.shape)) for n, t in tensors.items() if n.rsplit(".", 1)[0] == module}
+
+
+def modelopt_exclude(base, layer_types, keep_lm_head=True):
+    """ModelOpt's exclude_modules for a Qwen3.5 text model quantized uniformly."""
+    out = (["lm_head"] if keep_lm_head else []) + [base + "embed_tokens"]
+    for i, kind in enumerate(layer_types):
+        if kind == "linear_attention":
+            out += [f"{base}layers.{i}.linear_attn.{m}" for m in ("conv1d", "in_proj_a", "in_proj_b")]
+    return out
+
+
+@pytest.mark.parametrize("recipe,fixture", [("nvfp4", "modelopt_nvfp4"), ("fp8", "modelopt_fp8")])
+def test_matches_modelopt_format(written, recipe, fixture):
+    """Tensor names, dtypes and shapes, hf_quant_config.json and config.json's quantization_config as ModelOpt
+    writes them (its fixture of the same architecture); the fused parts share their scales."""
+    out = written[(recipe, "awq")].out_dir
+    ref = QUANT / fixture
+    ours, theirs = qn.read_checkpoint(out), qn.read_checkpoint(ref)
+    src = qn.read_checkpoint(TEXT)
+    ours_q, theirs_q = qn.quantized_linears(ours), qn.quantized_linears(theirs)
+    assert set(ours_q.values()) == set(theirs_q.values()) == {recipe}
+    strip = lambda m: re.sub(r"^model\.(language_model\.)?layers\.\d+\.", "", m)  # noqa: E731
+    assert {strip(m) for m in ours_q} == {strip(m) for m in theirs_q}  # the same projections quantized
+    want = {strip(m): tensor_kinds(theirs, m) for m in theirs_q}
+    for m in ours_q:
+        assert tensor_kinds(ours, m) == want[strip(m)], m
+        n, k = src[m + ".weight"].shape
+        assert ours[m + ".weight"].shape == ((n, k // 2) if recipe == "nvfp4" else (n, k))
+        if recipe == "nvfp4":
+            assert ours[m + ".weight_scale"].shape == (n, k // 16)
+    for fused in (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"),
+                  ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z")):
+        for layer in range(8):
+            parts = [f"model.layers.{layer}.{p}" for p in fused]
+            if parts[0] in ours_q:
+                for suffix in (".weight_scale_2" if recipe == "nvfp4" else ".weight_scale", ".input_scale"):
+                    assert len({float(ours[p + suffix].f32()) for p in parts}) == 1, parts[0] + suffix
+    hf, hf_ref = (json.loads((d / "hf_quant_config.json").read_text()) for d in (out, ref))
+    assert list(hf) == list(hf_ref) and list(hf["quantization"]) == list(hf_ref["quantization"])
+    assert {k: v for k, v in hf["quantization"].items() if k != "exclude_modules"} == \
+        {k: v for k, v in hf_ref["quantization"].items() if k != "exclude_modules"}
+    cfg, cfg_ref = (json.loads((d / "config.json").read_text()) for d in (out, ref))
+    assert hf_ref["quantization"]["exclude_modules"] == modelopt_exclude("model.language_model.", cfg_ref["layer_types"])
+    assert hf["quantization"]["exclude_modules"] == modelopt_exclude("model.", cfg["layer_types"])
+    q, q_ref = cfg["quantization_config"], cfg_ref["quantization_config"]
+    assert list(q) == list(q_ref) and q["config_groups"] == q_ref["config_groups"] and q["quant_method"] == "modelopt"
+    assert q["ignore"] == hf["quantization"]["exclude_modules"] and q["quant_algo"] == q_ref["quant_algo"]
+    assert cfg["tie_word_embeddings"] is True  # the LM head stays unquantized, so tied
+
+
+def dense_twin(qdir: Path, twin: Path) -> None:
+    """The checkpoint with every quantized weight dequantized (numpy, tests/quant_numpy.py), in F32."""
+    t = qn.read_checkpoint(qdir)
+    formats = qn.quantized_linears(t)
+    out = {}
+    for name, tensor in t.items():
+        module = name.rsplit(".", 1)[0]
+        if module in formats:
+            if name.endswith(".weight"):
+                out[name] = ("F32", qn.dequant_linear(t, module, formats[module]))
+        elif tensor.dtype in ("F32", "BF16", "F16"):
+            out[name] = ("F32", tensor.f32())
+    twin.mkdir()
+    qc.write_safetensors(twin / "model.safetensors", out)
+    cfg = json.loads((qdir / "config.json").read_text())
+    del cfg["quantization_config"]
+    (twin / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("key", [("nvfp4", "rtn"), ("nvfp4", "awq"), ("fp8", "awq")])
+def test_scores_match_dequantized_twin(written, tmp_path, key):
+    out = written[key].out_dir
+    dense_twin(out, tmp_path / "twin")
+    got, want = engine(out).score(ids()), engine(tmp_path / "twin").score(ids())
+    assert relerr(got, want) <= 1e-4
+    assert relerr(got, engine(TEXT).score(ids())) > 1e-3  # and it is quantized
+
+
+def test_vlm_scores_match_dequantized_twin(vlm_mixed, tmp_path):
+    dense_twin(vlm_mixed.out_dir, tmp_path / "twin")
+    got, want = engine(vlm_mixed.out_dir).score(ids()), engine(tmp_path / "twin").score(ids())
+    assert relerr(got, want) <= 1e-4
+
+
+def test_awq_folds_are_exact(tmp_path):
+    """Every group NVFP4 with AWQ, the (tied) LM head included: the checkpoint, whose scales are folded into
+    the norms (input, post-attention, final, DeltaNet gated), v_proj's and up_proj's rows and in_proj_a /
+    in_proj_b's columns, scores as the source model does with each projection's effective weight set in
+    memory. The source is F32, so the folds are exact up to fp32 rounding."""
+    eng = engine(TEXT, linear_observer=True)
+    groups = writer.projection_groups(eng.linear_groups())
+    eng.observe_linear_inputs(True, second_moment=True)
+    for seed in range(4):
+        eng.score(ids(48, seed))
+    stats = eng.linear_input_stats()
+    out = tmp_path / "q"
+    out.mkdir()
+    plan = dict.fromkeys((g.name for g in groups), "nvfp4")
+    built = writer.write_checkpoint(out, TEXT, Checkpoint(TEXT), groups, plan, stats, "awq",
+                                    writer.Shapes.of(eng.config))
+    assert built.quant_algo == "NVFP4" and len(built.input_scales) == len(built.modules)
+    assert {m.rsplit(".", 1)[-1] for m in built.row_scales} == {"v_proj", "up_proj"}
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is False and "lm_head" not in cfg["quantization_config"]["ignore"]
+    t = qn.read_checkpoint(out)
+    source = engine(TEXT)
+    for m, fmt in qn.quantized_linears(t).items():
+        w = qn.dequant_linear(t, m, fmt) * built.input_scales[m][None, :]
+        if m in built.row_scales:
+            w = w / built.row_scales[m][:, None]
+        source.set_linear_weight(m, w)
+    for seed in (7, 8):
+        got, want = engine(out).score(ids(40, seed)), source.score(ids(40, seed))
+        assert relerr(got, want) <= 1e-4
+    assert relerr(got, engine(TEXT).score(ids(40, 8))) > 1e-3
+
+
+def test_awq_beats_rounding(written):
+    """With AWQ the projections' output error on the calibration activations, tr(D C D^T) summed over the
+    groups, is lower than with plain rounding in each format (no group's is higher); for NVFP4 so is the
+    error of the whole model's logits on the calibration tokens. (These random models amplify weight noise
+    chaotically, about 50-fold: a 2.5% FP8 weight error moves their logits by ~100%, too much for a
+    model-level comparison at FP8.)"""
+    for recipe, most in (("nvfp4", 0.9), ("fp8", 0.99)):
+        groups = [g for g in written[(recipe, "awq")].report["groups"] if recipe in g["awq"]]
+        awq = sum(g["awq"][recipe]["output_error"] for g in groups)
+        rtn = sum(g["awq"][recipe]["rtn_output_error"] for g in groups)
+        assert awq < most * rtn, (recipe, awq, rtn)
+        for g in groups:
+            assert g["awq"][recipe]["output_error"] <= g["awq"][recipe]["rtn_output_error"], g["name"]
+    source = engine(TEXT)
+    rng = np.random.default_rng(0)  # the calibration samples of seed 0 (random tokens: no tokenizer)
+    calib = [[int(t) for t in rng.integers(0, 512, 64)] for _ in range(3)]
+    err = {m: sum(relerr(engine(written[("nvfp4", m)].out_dir).score(c), source.score(c)) for c in calib)
+           for m in ("rtn", "awq")}
+    assert err["awq"] < err["rtn"], err
+
+
+def test_report_and_plot(written):
+    res = written[("nvfp4", "awq")]
+    r = json.loads((res.out_dir / "quantization_report.json").read_text())
+    assert r["quant_algo"] == "NVFP4" and r["plan"] == res.plan and r["plan"]["lm_head"] == "dense"
+    assert r["total"]["bits_per_weight"] == pytest.approx(4.5, abs=0.02)
+    assert r["total"]["bytes"] == sum(g["bytes"] for g in r["groups"] if g["name"] != "lm_head")
+    from PIL import Image
+
+    with Image.open(res.out_dir / "quantization_kl.png") as im:
+        assert im.format == "PNG" and im.width > 400
+    table = res.table()
+    assert "layers.3.self_attn.q|k|v" in table and "28.2%" in table
+
+
+@pytest.fixture(scope="module")
+def vlm_mixed(tmp_path_factory):
+    """tiny-vlm, mixed within a budget, calibrated on small synthetic pages."""
+    tmp = tmp_path_factory.mktemp("vlm")
+    return run(tmp, src=TINY_VLM, recipe="mixed", budget="40%", calib_synthetic=4, page_config=TINY_PAGES)
+
+
+def test_mixed_budget_is_kept(vlm_mixed):
+    """The bytes of the quantized projections as written stay within the budget; the plan mixes formats; the
+    config is ModelOpt's MIXED_PRECISION (as its fixture); the vision tower is untouched."""
+    out, r = vlm_mixed.out_dir, vlm_mixed.report
+    budget = r["budget"]["bytes"]
+    weights = r["total"]["weights"]
+    assert budget == int(0.4 * 2 * weights) and r["total"]["bytes"] <= budget
+    t = qn.read_checkpoint(out)
+    src = qn.read_checkpoint(TINY_VLM)
+    written_bytes = 0
+    for g in r["groups"]:
+        for m in g["modules"]:
+            names = [n for n in t if n.rsplit(".", 1)[0] == m]
+            if g["format"] == "dense":
+                names = [n for n in names if n.endswith(".weight")] or ["model.language_model.embed_tokens.weight"]
+            written_bytes += sum(t[n].raw.nbytes for n in names)
+    assert written_bytes == r["total"]["bytes"] <= budget
+    assert "nvfp4" in vlm_mixed.plan.values() and len(set(vlm_mixed.plan.values())) >= 2
+    for name in t:
+        if name.startswith("model.visual."):
+            assert t[name].dtype == src[name].dtype and np.array_equal(t[name].raw, src[name].raw), name
+    hf, hf_ref = (json.loads((d / "hf_quant_config.json").read_text()) for d in (out, QUANT / "modelopt_mixed"))
+    assert list(hf["quantization"]) == list(hf_ref["quantization"]) == ["quant_algo", "kv_cache_quant_algo",
+                                                                       "quantized_layers"]
+    assert {json.dumps(v, sort_keys=True) for v in hf["quantization"]["quantized_layers"].values()} <= \
+        {json.dumps(v, sort_keys=True) for v in hf_ref["quantization"]["quantized_layers"].values()}
+    q, q_ref = (json.loads((d / "config.json").read_text())["quantization_config"] for d in (out, QUANT / "modelopt_mixed"))
+    assert list(q) == list(q_ref) and q["ignore"] == [] and q["quantized_layers"] == hf["quantization"]["quantized_layers"]
+    formats = sorted({v["quant_algo"] for v in q["quantized_layers"].values()}, key=["NVFP4", "FP8"].index)
+    for i, f in enumerate(formats):
+        ref_group = next(g for g in q_ref["config_groups"].values() if g["weights"]["num_bits"] == (4 if f == "NVFP4" else 8))
+        assert {k: v for k, v in q["config_groups"][f"group_{i}"].items() if k != "targets"} == \
+            {k: v for k, v in ref_group.items() if k != "targets"}
+        assert q["config_groups"][f"group_{i}"]["targets"] == sorted(m for m, v in q["quantized_layers"].items()
+                                                                     if v["quant_algo"] == f)
+
+
+def test_quantized_vlm_parses(vlm_mixed, tmp_path):
+    """The tokenizer, processor and chat template come along: Engine(OUT_DIR) and `ocria-rt parse --model`."""
+    from ocria_rt import cli
+
+    out = vlm_mixed.out_dir
+    for f in ("tokenizer.json", "tokenizer_config.json", "preprocessor_config.json", "generation_config.json"):
+        assert (out / f).read_bytes() == (TINY_VLM / f).read_bytes()
+    stats = ocria_rt.Engine(out).stats()
+    assert stats["quantization"] == "modelopt" and stats["weight_bytes_by_format"]["nvfp4"] > 0
+    md = tmp_path / "page.md"
+    assert cli.main(["parse", str(FIXTURES / "images" / "vis_a.png"), "--model", str(out), "--max-new-tokens", "3",
+                     "-o", str(md), "--no-progress", "--threads", "1"]) == 0
+    assert md.read_text().startswith("<!-- page 1 -->")
+
+
+def test_choose_mixed_greedy():
+    from ocria_rt.quantization.plan import choose_mixed, parse_budget
+
+    nbytes = {"a": {"dense": 200, "fp8": 100, "nvfp4": 56}, "b": {"dense": 200, "fp8": 100, "nvfp4": 56},
+              "c": {"dense": 400, "fp8": 200, "nvfp4": 112}}
+    kl = {"a": {"dense": 0, "fp8": 0.001, "nvfp4": 0.01}, "b": {"dense": 0, "fp8": 0.002, "nvfp4": 0.5},
+          "c": {"dense": 0, "fp8": 0.001, "nvfp4": 0.004}}
+    assert choose_mixed(kl, nbytes, budget=800) == dict.fromkeys("abc", "dense")
+    assert choose_mixed(kl, nbytes, budget=268) == {"a": "nvfp4", "b": "fp8", "c": "nvfp4"}
+    assert choose_mixed(kl, nbytes, budget=311) == {"a": "nvfp4", "b": "fp8", "c": "nvfp4"}
+    # x straight to NVFP4 (the best KL per byte saved) overshoots the budget: x gives bytes back, to FP8
+    nbytes2 = {"x": {"dense": 1000, "fp8": 500, "nvfp4": 281}, "y": {"dense": 100, "fp8": 50, "nvfp4": 28}}
+    kl2 = {"x": {"dense": 0, "fp8": 0.002, "nvfp4": 0.0025}, "y": {"dense": 0, "fp8": 0.01, "nvfp4": 0.05}}
+    assert choose_mixed(kl2, nbytes2, budget=900) == {"x": "fp8", "y": "dense"}
+    assert choose_mixed(kl, nbytes, max_kl=0.007) == {"a": "fp8", "b": "fp8", "c": "nvfp4"}
+    assert choose_mixed(kl, nbytes, max_kl=0.006) == dict.fromkeys("abc", "fp8")  # c to NVFP4 would pass it
+    assert choose_mixed(kl, nbytes, max_kl=0.0) == dict.fromkeys("abc", "dense")
+    with pytest.raises(ocria_rt.InvalidArgumentError, match="below the smallest plan"):
+        choose_mixed(kl, nbytes, budget=200)
+    assert parse_budget("4.5", 1000) == parse_budget("4.5bits", 1000) == 562
+    assert parse_budget("40%", 1000) == 800 and parse_budget("3kB", 1) == 3000 and parse_budget("1MiB", 1) == 2**20
+    for bad in ("abc", "-3", "4 apples"):
+        with pytest.raises(ocria_rt.InvalidArgumentError, match="budget"):
+            parse_budget(bad, 1000)
+
+
+# ---- bad input: a clear error, and nothing at OUT_DIR ----
+
+def leftovers(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))
+
+
+@pytest.mark.parametrize("case,error,match", [
+    ("missing_model", ocria_rt.FileError, "model directory '.*nowhere' does not exist"),
+    ("unreadable_calibration", ocria_rt.FileError, "input '.*missing.pdf' does not exist"),
+    ("not_an_image", ocria_rt.FileError, "'.*notes.bin' is neither a PDF nor an image"),
+    ("impossible_budget", ocria_rt.InvalidArgumentError, "budget '1' = .* bytes is below the smallest possible"),
+    ("out_dir_not_empty", ocria_rt.FileError, "OUT_DIR '.*busy' exists and is not empty"),
+    ("quantized_model", ocria_rt.ModelError, "is already quantized"),
+    ("budget_without_mixed", ocria_rt.InvalidArgumentError, "budget and max_kl choose a mixed plan"),
+])
+def test_bad_input(tmp_path, case, error, match):
+    src, kw, out = TINY_VLM, {}, tmp_path / "out"
+    if case == "missing_model":
+        src = tmp_path / "nowhere"
+    elif case == "unreadable_calibration":
+        kw = {"calib": [str(FIXTURES / "images" / "vis_a.png"), str(tmp_path / "missing.pdf")]}
+    elif case == "not_an_image":
+        (tmp_path / "notes.bin").write_bytes(b"\x00\x01 not an image")
+        kw = {"calib": [str(tmp_path / "notes.bin")]}
+    elif case == "impossible_budget":
+        kw = {"budget": "1"}
+    elif case == "out_dir_not_empty":
+        out = tmp_path / "busy"
+        out.mkdir()
+        (out / "keep.txt").write_text("mine")
+    elif case == "quantized_model":
+        src = QUANT / "modelopt_fp8"
+    elif case == "budget_without_mixed":
+        kw = {"recipe": "nvfp4", "budget": "40%"}
+    kw.setdefault("recipe", "mixed")
+    with pytest.raises(error, match=match):
+        ocria_rt.quantize(src, out, num_threads=1, progress=False, calib_synthetic=None if "calib" in kw else 2,
+                          page_config=TINY_PAGES, **kw)
+    if case == "out_dir_not_empty":
+        assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    else:
+        assert not out.exists()
+    assert leftovers(tmp_path) == []
+
+
+def test_calibration_files(tmp_path):
+    """Images calibrate through parse's rendering and preprocessing, continued by the model's own output;
+    a text file adds its tokens."""
+    (tmp_path / "notes.txt").write_text("Invoice 12: total 40.00 EUR, due on delivery.")
+    files = [FIXTURES / "images" / "vis_a.png", FIXTURES / "images" / "vis_b.png", tmp_path / "notes.txt"]
+    res = run(tmp_path, src=TINY_VLM, recipe="fp8", method="rtn", calib_synthetic=None, calib=files,
+              max_new_tokens=4)
+    cal = res.report["calibration"]
+    assert cal["samples"] == 2 and cal["heldout_samples"] == 1
+    assert cal["sources"] == [f"{files[0]} page 1", f"{files[1]} page 1", str(files[2])]
+    assert engine(res.out_dir).stats()["weight_bytes_by_format"]["fp8"] > 0
+
+
+def test_force_replaces(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    res = run(tmp_path, name="out", recipe="fp8", method="rtn", force=True)
+    assert not (out / "old.txt").exists() and (out / "model.safetensors").exists() and res.out_dir == out
+    assert leftovers(tmp_path) == []
+
+
+def test_cli_quantize(tmp_path, capsys):
+    from ocria_rt import cli
+
+    assert cli.main(["quantize", str(TEXT), str(tmp_path / "q"), "--recipe", "fp8", "--method", "rtn",
+                     "--calib-synthetic", "2", "--threads", "1", "--no-progress"]) == 0
+    out = capsys.readouterr()
+    assert "layers.0.mlp.gate|up" in out.out and "total" in out.out and "FP8 checkpoint written" in out.err
+    assert cli.main(["quantize", str(TEXT), str(tmp_path / "q"), "--recipe", "fp8"]) == 2  # not empty
+    assert "exists and is not empty" in capsys.readouterr().err
