@@ -265,7 +265,7 @@ PYBIND11_MODULE(_core, m) {
                if (!replaced.is_none()) proposals = replaced.cast<std::vector<int32_t>>();
              });
            },
-           py::arg("hook"));
+           py::arg("hook"))
       .def("linear_groups", [](const Engine& e) {
         py::list out;
         for (const LinearGroupInfo& g : e.linear_groups()) {
