@@ -168,3 +168,27 @@ def relerr(a: np.ndarray, b: np.ndarray) -> float:
     a = np.asarray(a, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def write_safetensors_f32(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    """A safetensors file of float32 tensors (names sorted, data 8-byte aligned as the header is padded)."""
+    header, offset, blobs = {}, 0, []
+    for name in sorted(tensors):
+        data = np.ascontiguousarray(tensors[name], dtype="<f4").tobytes()
+        header[name] = {"dtype": "F32", "shape": list(tensors[name].shape),
+                        "data_offsets": [offset, offset + len(data)]}
+        offset += len(data)
+        blobs.append(data)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    Path(path).write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(blobs))
+
+
+def dense_equivalent(tensors: dict[str, Tensor]) -> dict[str, np.ndarray]:
+    """Every tensor as float32, each quantized linear replaced by its dequantized `weight`: the checkpoint
+    that a weight-only engine computes with."""
+    formats = quantized_linears(tensors)
+    out = {n: t.f32() for n, t in tensors.items() if n.rsplit(".", 1)[0] not in formats}
+    for module, fmt in formats.items():
+        out[module + ".weight"] = dequant_linear(tensors, module, fmt)
+    return out
