@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
                      help="calibration PDFs / images (rendered as parse renders them; continued by the model's own "
                      "output) or .txt / .md files")
     src.add_argument("--calib-synthetic", type=int, metavar="N", default=None,
-                     help=f"N synthetic pages with their true Markdown (default {32})")
+                     help="N synthetic pages with their true Markdown (default 64, a quarter of them held out for the KL)")
     q.add_argument("--budget", default=None,
                    help="mixed: the bytes allowed for the quantized projections: average bits per weight (4.5), a share "
                    "of their BF16 bytes (40%%) or bytes (3MB); the plan with the lowest KL within it")
