@@ -38,7 +38,7 @@ from .safetensors_io import DTYPE_BYTES, Checkpoint
 RECIPES = ("fp8", "nvfp4", "mixed")
 METHODS = ("awq", "rtn")
 DEFAULT_CALIBRATION_PAGES = 64  # a quarter held out: ~500 continuation tokens of ocria-mini pages for the KL
-DEFAULT_MAX_KL = 0.05  # nats per token, summed over the groups: mixed without a budget
+DEFAULT_MAX_KL = 0.005  # nats per continuation token, summed over the groups alone: mixed without a budget
 REPORT_NAME, PLOT_NAME = "quantization_report.json", "quantization_kl.png"
 
 
@@ -125,7 +125,7 @@ def quantize(
     parse() does; the model's greedy output is the continuation) or text files; calib_synthetic: that many
     synthdoc pages with their true Markdown (the default, 64 pages). heldout: samples kept out of the
     statistics for the KL (default a quarter). budget (mixed): "4.5" bits per weight, "40%" of the BF16
-    bytes, or bytes ("3MB"); else max_kl (mixed): the summed KL allowed (default 0.05 nats per token).
+    bytes, or bytes ("3MB"); else max_kl (mixed): the summed KL allowed (default 0.005 nats per token).
     force: replace a non-empty out_dir. page_config: the synthdoc.PageConfig of synthetic pages (default:
     the model's training pages, else synthdoc's defaults). Raises an OcriaError naming the file or argument
     at fault; nothing is left at out_dir unless the whole checkpoint was written.
