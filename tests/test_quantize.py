@@ -470,6 +470,28 @@ def test_calibration_files(tmp_path):
     assert engine(res.out_dir).stats()["weight_bytes_by_format"]["fp8"] > 0
 
 
+def test_nvfp4_falls_back_to_fp8(tmp_path):
+    """intermediate_size 24: down_proj's inputs cannot fill NVFP4 blocks of 16, so the nvfp4 recipe stores
+    it in FP8, and the checkpoint is MIXED_PRECISION."""
+    src = tmp_path / "narrow"
+    src.mkdir()
+    cfg = json.loads((TEXT / "config.json").read_text())
+    cfg["intermediate_size"] = 24
+    (src / "config.json").write_text(json.dumps(cfg))
+    t = qc.read_safetensors(TEXT / "model.safetensors")
+    for name, (dtype, a) in list(t.items()):
+        if "gate_proj" in name or "up_proj" in name:
+            t[name] = (dtype, a[:24])
+        elif "down_proj" in name:
+            t[name] = (dtype, np.ascontiguousarray(a[:, :24]))
+    qc.write_safetensors(src / "model.safetensors", t)
+    res = run(tmp_path, src=src, recipe="nvfp4", method="rtn", calib_synthetic=2)
+    assert {f for g, f in res.plan.items() if g.endswith("down_proj")} == {"fp8"}
+    assert {f for g, f in res.plan.items() if g.endswith("gate|up")} == {"nvfp4"}
+    assert res.report["quant_algo"] == "MIXED_PRECISION"
+    assert engine(res.out_dir).stats()["weight_bytes_by_format"]["fp8"] > 0
+
+
 def test_force_replaces(tmp_path):
     out = tmp_path / "out"
     out.mkdir()

@@ -400,12 +400,12 @@ def main(argv: list[str] | None = None) -> int:
                      help="calibration PDFs / images (rendered as parse renders them; continued by the model's own "
                      "output) or .txt / .md files")
     src.add_argument("--calib-synthetic", type=int, metavar="N", default=None,
-                     help=f"N synthetic pages with their true Markdown (default {32})")
+                     help="N synthetic pages with their true Markdown (default 64, a quarter of them held out for the KL)")
     q.add_argument("--budget", default=None,
                    help="mixed: the bytes allowed for the quantized projections: average bits per weight (4.5), a share "
                    "of their BF16 bytes (40%%) or bytes (3MB); the plan with the lowest KL within it")
     q.add_argument("--max-kl", type=float, default=None,
-                   help="mixed without --budget: the fewest bytes whose summed KL stays below this (default 0.05)")
+                   help="mixed without --budget: the fewest bytes whose KL (nats per token, summed over the groups quantized alone) stays below this (default 0.005)")
     q.add_argument("--heldout", type=int, default=None, help="calibration samples kept for the KL (default a quarter)")
     q.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     q.add_argument("--force", action="store_true", help="replace a non-empty OUT_DIR")

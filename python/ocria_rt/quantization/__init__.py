@@ -37,8 +37,8 @@ from .safetensors_io import DTYPE_BYTES, Checkpoint
 
 RECIPES = ("fp8", "nvfp4", "mixed")
 METHODS = ("awq", "rtn")
-DEFAULT_CALIBRATION_PAGES = 32
-DEFAULT_MAX_KL = 0.05  # nats per token, summed over the groups: mixed without a budget
+DEFAULT_CALIBRATION_PAGES = 64  # a quarter held out: ~500 continuation tokens of ocria-mini pages for the KL
+DEFAULT_MAX_KL = 0.005  # nats per continuation token, summed over the groups alone: mixed without a budget
 REPORT_NAME, PLOT_NAME = "quantization_report.json", "quantization_kl.png"
 
 
@@ -123,9 +123,9 @@ def quantize(
     per projection group, the LM head included). method: "awq" (activation-aware scales and clipped block
     scales) or "rtn" (ModelOpt's plain rounding). calib: PDF / image files (rendered and preprocessed as
     parse() does; the model's greedy output is the continuation) or text files; calib_synthetic: that many
-    synthdoc pages with their true Markdown (the default, 32 pages). heldout: samples kept out of the
+    synthdoc pages with their true Markdown (the default, 64 pages). heldout: samples kept out of the
     statistics for the KL (default a quarter). budget (mixed): "4.5" bits per weight, "40%" of the BF16
-    bytes, or bytes ("3MB"); else max_kl (mixed): the summed KL allowed (default 0.05 nats per token).
+    bytes, or bytes ("3MB"); else max_kl (mixed): the summed KL allowed (default 0.005 nats per token).
     force: replace a non-empty out_dir. page_config: the synthdoc.PageConfig of synthetic pages (default:
     the model's training pages, else synthdoc's defaults). Raises an OcriaError naming the file or argument
     at fault; nothing is left at out_dir unless the whole checkpoint was written.
@@ -165,13 +165,12 @@ def quantize(
         raise ModelError(f"model '{model_dir}' is already quantized ({quantized[0].modules[0]} is "
                          f"{quantized[0].slot_format}); quantize a dense checkpoint")
     ck = Checkpoint(model_dir)
-    if recipe == "mixed":
-        trial_formats = ("fp8", "nvfp4")
-        candidates = groups
-    else:
-        trial_formats = (recipe,)
-        candidates = [g for g in groups if g.kind != "lm_head"]
-    nbytes = {g.name: _bytes_by_format(g, ck, trial_formats) for g in candidates}
+    candidates = groups if recipe == "mixed" else [g for g in groups if g.kind != "lm_head"]
+    nbytes = {g.name: _bytes_by_format(g, ck) for g in candidates}
+    # the formats each group is tried in: mixed, all it can take; else the recipe's (FP8 where NVFP4's
+    # blocks do not fit the inputs)
+    trial_formats = {g.name: [f for f in ("fp8", "nvfp4") if f in nbytes[g.name]] if recipe == "mixed" else
+                     [recipe if recipe in nbytes[g.name] else "fp8"] for g in candidates}
     weights = sum(g.weights for g in candidates)
     budget_bytes = None
     if budget is not None:
@@ -207,7 +206,7 @@ def quantize(
     shapes = writer.Shapes.of(config)
     source = writer.SourceWeights(ck, groups)
     trials: dict[str, dict[str, Any]] = {g.name: {} for g in candidates}
-    work = [(g, f) for g in candidates for f in trial_formats if f in nbytes[g.name]]
+    work = [(g, f) for g in candidates for f in trial_formats[g.name]]
     bar.start("sensitivity", len(work))
     for g, fmt in work:
         parts = [source.get(m) for m in g.modules]
@@ -227,8 +226,8 @@ def quantize(
         kl_table = {g: {"dense": 0.0, **{f: t["kl"] for f, t in trials[g].items()}} for g in trials}
         plan = planning.choose_mixed(kl_table, nbytes, budget=budget_bytes,
                                      max_kl=None if budget_bytes is not None else (DEFAULT_MAX_KL if max_kl is None else max_kl))
-    else:  # NVFP4 where the inputs fill its blocks, else FP8
-        plan = {g.name: recipe if recipe in nbytes[g.name] else "fp8" for g in candidates}
+    else:
+        plan = {g.name: trial_formats[g.name][0] for g in candidates}
     full_plan = {g.name: plan.get(g.name, "dense") for g in groups}
 
     # 4. the checkpoint, in a temporary directory beside out_dir
@@ -261,11 +260,11 @@ def quantize(
     return QuantizationResult(plan=full_plan, report=report, out_dir=out_dir)
 
 
-def _bytes_by_format(g: writer.Group, ck: Checkpoint, formats: tuple[str, ...]) -> dict[str, int]:
+def _bytes_by_format(g: writer.Group, ck: Checkpoint) -> dict[str, int]:
     """Checkpoint bytes of the group in "dense" (its dtype) and in each format its inputs allow."""
     dense_bytes = DTYPE_BYTES[ck.dtype(writer.weight_name(g, g.modules[0], ck))]
     out = {"dense": sum(format_bytes("dense", r, g.in_features, dense_bytes) for r in g.rows)}
-    for f in formats:
+    for f in ("fp8", "nvfp4"):
         if f == "nvfp4" and g.in_features % 16:
             continue  # NVFP4 blocks need K to be a multiple of 16
         out[f] = sum(format_bytes(f, r, g.in_features, dense_bytes) for r in g.rows)
@@ -279,7 +278,7 @@ def _report(model_dir: Path, recipe: str, method: str, built: writer.Built, grou
     rows = []
     for g in groups:
         fmt = plan[g.name]
-        b = nbytes.get(g.name) or _bytes_by_format(g, ck, ())
+        b = nbytes.get(g.name) or _bytes_by_format(g, ck)
         t = trials.get(g.name, {})
         rows.append({
             "name": g.name, "short": g.short, "kind": g.kind, "layer": g.layer, "modules": g.modules, "format": fmt,
