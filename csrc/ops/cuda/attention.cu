@@ -5,7 +5,11 @@
 // attention, prefill (T > 16 tokens, head_dim 64 / 128 / 256, 16-byte aligned rows): flash_attention,
 // a tensor-core kernel (see its section below), also used by vision_attention.
 //
-// attention, decode (T <= 16) and the shapes flash_attention does not take: flash-decoding. Block
+// attention, speculative verify (2 <= T <= 16 tokens, the same head dims and alignment): verify_attention,
+// flash-decoding on tensor cores that reads each K / V row once for all T tokens of a kv head (see its
+// section; OCRIA_RT_ATTN_VERIFY=0 sends these to the kernels below instead).
+//
+// attention, decode (T = 1) and the shapes neither tensor-core kernel takes: flash-decoding. Block
 // (split, kv head, token) covers cache rows [split * chunk, (split + 1) * chunk) of 0..positions[t],
 // chunk = max(ceil(len / splits), 32), for all q heads of its kv head (GQA group) at once, so K / V
 // rows are read once per group. Each of the 4 warps runs an online softmax over its own groups of
@@ -165,6 +169,16 @@ __global__ void __launch_bounds__(kPrepWarps * 32)
 __device__ __forceinline__ int split_chunk(int len, int nsplit) { return max((len + nsplit - 1) / nsplit, kMinChunk); }
 // The non-empty splits: those that hold rows.
 __device__ __forceinline__ int split_count(int len, int chunk) { return (len + chunk - 1) / chunk; }
+// The splits of verify_attention_kernel: one chunk for all tokens of the launch, ceil(len / nsplit)
+// rounded up to a multiple of `tile` rows, len = max_t positions[t] + 1 (verify_length).
+__device__ __forceinline__ int verify_chunk(int len, int nsplit, int tile) {
+  return ((len + nsplit - 1) / nsplit + tile - 1) / tile * tile;
+}
+__device__ __forceinline__ int verify_length(const int32_t* positions, int T) {
+  int len = 1;
+  for (int t = 0; t < T; ++t) len = max(len, positions[t] + 1);
+  return len;
+}
 
 // K/V rows each warp has in one group: 4, or 2 where q and the accumulators already take 128
 // registers per lane (head_dim 256, groups of 5..8), so that two groups fit without spilling.
@@ -222,19 +236,27 @@ __device__ __forceinline__ int load_hint(const int32_t* p) {
 // cache has long left L2 (each step streams the weights through it), and the split's rows are known
 // but for the length, which an earlier kernel of the step writes. A length read too early prefetches
 // other rows of the cache (clamped to its capacity), which costs bandwidth, not correctness.
+// L2 prefetch of kv head kvh's K and V in cache rows start .. start + rows - 1 (none for rows <= 0), by
+// the threads of the block.
 template <int HD>
-__device__ __forceinline__ void prefetch_split_rows(const bf16* k_cache, const bf16* v_cache, int64_t ldc,
-                                                    const int32_t* position, int capacity, int nsplit, int split,
-                                                    int kvh) {
+__device__ __forceinline__ void prefetch_kv_rows(const bf16* k_cache, const bf16* v_cache, int64_t ldc, int kvh,
+                                                 int start, int rows) {
   constexpr int kLineElems = 64, kLines = HD > kLineElems ? HD / kLineElems : 1;  // 128-byte lines per row
-  const int len = min(max(load_hint(position) + 1, 1), capacity);
-  const int chunk = split_chunk(len, nsplit), start = split * chunk;
-  const int rows = chunk <= kAttnPrefetchRows ? min(len - start, chunk) : 0;
   for (int i = threadIdx.x; i < rows * 2 * kLines; i += blockDim.x) {
     const int row = start + i / (2 * kLines), line = i % (2 * kLines);
     const bf16* base = line < kLines ? k_cache : v_cache;
     prefetch_l2_line(base + int64_t(row) * ldc + int64_t(kvh) * HD + (line % kLines) * kLineElems);
   }
+}
+
+template <int HD>
+__device__ __forceinline__ void prefetch_split_rows(const bf16* k_cache, const bf16* v_cache, int64_t ldc,
+                                                    const int32_t* position, int capacity, int nsplit, int split,
+                                                    int kvh) {
+  const int len = min(max(load_hint(position) + 1, 1), capacity);
+  const int chunk = split_chunk(len, nsplit), start = split * chunk;
+  const int rows = chunk <= kAttnPrefetchRows ? min(len - start, chunk) : 0;
+  prefetch_kv_rows<HD>(k_cache, v_cache, ldc, kvh, start, rows);
 }
 
 // The pieces attention_kernel and attention_decode_kernel share. E: head_dim / 32 elements per lane
@@ -464,23 +486,27 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
 // out = (sum_s A_s w_s) / (sum_s L_s w_s) * sigmoid(gate), w_s = 2^(m_s - M), M = max_s m_s.
 // The block first forms the weights (threads over splits), then sums A_s w_s with threads over
 // (group of splits, 4 columns) and 16-byte loads, and finally adds up the groups in shared memory.
+// The splits are attention_kernel's (each token's own chunk) or, kVerify, verify_attention_kernel's
+// (verify_chunk of the launch's longest length, in multiples of verify_tile rows; gridDim.y = T).
 constexpr int kCombineThreads = 256;
 constexpr int kCombineCols = 128;
 constexpr int kMaxSplits = 1024;
 
+template <bool kVerify>
 __global__ void __launch_bounds__(kCombineThreads)
     attention_combine_kernel(const float* __restrict__ part_acc, const float2* __restrict__ part_ml,
                              const int32_t* __restrict__ positions, const bf16* __restrict__ qkv, int64_t ldqkv,
-                             bf16* __restrict__ out, int64_t ldo, int Hq, int hd, int nsplit) {
+                             bf16* __restrict__ out, int64_t ldo, int Hq, int hd, int nsplit, int verify_tile) {
   __shared__ float w_s[kMaxSplits];
   __shared__ float red[32];
   __shared__ float4 sum_s[kCombineThreads];
   pdl_launch_dependents();
   const int cols = min(hd, kCombineCols), slices = hd / cols;
   const int h = blockIdx.x / slices, col0 = (blockIdx.x % slices) * cols, t = blockIdx.y;
-  pdl_wait();  // the partial results come from attention_kernel
+  pdl_wait();  // the partial results come from attention_kernel / verify_attention_kernel
   const int len = positions[t] + 1;
-  const int chunk = split_chunk(len, nsplit);
+  const int chunk = kVerify ? verify_chunk(verify_length(positions, int(gridDim.y)), nsplit, verify_tile)
+                            : split_chunk(len, nsplit);
   const int active = split_count(len, chunk);
   const int d = col0 + threadIdx.x;  // the output column of threads < cols
   const bf16* gate_row = qkv + int64_t(t) * ldqkv + int64_t(h) * 2 * hd + hd;
@@ -793,9 +819,9 @@ template <int E, int GM> void launch_attention_decode(const DecodeArgs& a, const
              int(std::min<int64_t>(a.capacity, INT_MAX)), a.scale_log2);
   if (nsplit > 1) {
     const int slices = a.hd / std::min(a.hd, kCombineCols);
-    launch_pdl(ctx, "attention_combine_kernel", attention_combine_kernel, dim3(unsigned(a.Hq * slices), unsigned(a.T)),
-               kCombineThreads, 0, part_acc, part_ml, a.positions, a.qkv, a.ldqkv, a.out, a.ldo, a.Hq, a.hd,
-               int(nsplit));
+    launch_pdl(ctx, "attention_combine_kernel", attention_combine_kernel<false>,
+               dim3(unsigned(a.Hq * slices), unsigned(a.T)), kCombineThreads, 0, part_acc, part_ml, a.positions, a.qkv,
+               a.ldqkv, a.out, a.ldo, a.Hq, a.hd, int(nsplit), 0);
   }
 }
 
@@ -1162,6 +1188,322 @@ bool flash_aligned(std::initializer_list<std::pair<const void*, int64_t>> views)
   return true;
 }
 
+// ---------------------------------------------------------------------------------------------
+// verify_attention: attention for a speculative verify block (2..16 tokens over a long cache;
+// head_dim 64 / 128 / 256, 16-byte aligned rows) on tensor cores.
+//
+// Flash-decoding with the flash kernel's tile math. Block (split, kv head) covers cache rows
+// [split * chunk, min((split + 1) * chunk, len)) for all M = T G query rows of its kv head (query row
+// r: token r / G, q head kvh G + r % G), so every K / V row is read from memory once per kv head, not
+// once per token. len = max_t positions[t] + 1 and chunk = verify_chunk (a multiple of the K / V tile)
+// are formed on the device from the positions, so a captured graph stays valid as the context grows;
+// splits at or past len exit at once. The number of splits is a launch constant: one wave of blocks
+// (the kernel's occupancy) over the kv heads, bounded by the cache capacity in tiles, the combine
+// kernel's weight buffer and the workspace.
+//
+// The query rows, padded with zero rows to ROWS (64 or 128), sit in shared memory, a warp per 16 of
+// them (a warp whose rows are all padding only helps with the copies). K and V tiles of KEYS rows go
+// through a ring of STAGES buffers filled by cp.async (tiles j + 1 .. j + STAGES - 1 load while tile j
+// is used). Per tile each warp computes S = Q K^T, masks the keys past each row's position (row r sees
+// cache rows 0 .. positions[r / G]; only on tiles that cut some row's range of the warp; tiles past all
+// of its rows' ranges are skipped), and runs the online softmax and O += P V as flash_attention_kernel
+// does (base 2, P rounded to BF16 as the A operand of P V). With one split the block writes
+// out = O / l * sigmoid(gate); otherwise the rows of every token that has cache rows in the split write
+// (m, l) and the unnormalised O to attention_kernel's workspace layout, and attention_combine_kernel
+// <true> merges each token's non-empty splits. Keys of a split past a row's own position are weighted by
+// exactly 0, so cache rows below len must hold finite values (true for a sequence: rows 0 .. the
+// largest position have all been written). Shared-memory rows are swizzled as flash_swz lays them out.
+// ---------------------------------------------------------------------------------------------
+constexpr int kVerifyMinTokens = 2;  // one token keeps attention_kernel (and attention_decode's one-kernel step)
+
+template <int HD, int ROWS> struct VerifyConfig {
+  static constexpr int WARPS = ROWS / 16;            // a warp per 16 query rows
+  static constexpr int THREADS = 32 * WARPS;
+  static constexpr int KEYS = HD == 256 ? 32 : 64;  // keys per K / V tile (32 KB of K and V; 16 KB for hd 64)
+  static constexpr int STAGES = 4;                   // tiles in the cp.async ring
+  static constexpr int TILE = KEYS * HD;             // elements of one K or V tile
+  static constexpr int SMEM = (ROWS * HD + 2 * STAGES * TILE) * int(sizeof(bf16));  // Q, the K and V rings
+};
+
+struct VerifyArgs {
+  const bf16* q;  // token t, q head h: q + t * ldq + h * HD
+  int64_t ldq;
+  const bf16 *k, *v;  // cache row j, kv head g: k + j * ldc + g * HD (v alike)
+  int64_t ldc;
+  const bf16* qkv;  // the gate of (t, h): qkv + t * ldqkv + h * 2 HD + HD
+  int64_t ldqkv;
+  bf16* out;  // out + t * ldo + h * HD
+  int64_t ldo;
+  const int32_t* positions;
+  float* part_acc;  // [T, Hq, nsplit, HD]
+  float2* part_ml;  // [T, Hq, nsplit]
+  int T, Hq, G, nsplit, capacity;
+  float scale_log2;
+};
+
+template <int HD, int ROWS>
+__global__ void __launch_bounds__(VerifyConfig<HD, ROWS>::THREADS, 1) verify_attention_kernel(const VerifyArgs a) {
+  using Cfg = VerifyConfig<HD, ROWS>;
+  constexpr int THREADS = Cfg::THREADS, KEYS = Cfg::KEYS, STAGES = Cfg::STAGES, TILE = Cfg::TILE;
+  constexpr int C = HD / 8;         // 16-byte chunks of a row
+  constexpr int STEP = THREADS / C;  // rows the block copies per pass
+  constexpr int NT = HD / 8;        // 8-column tiles of an output row
+  constexpr int KT = KEYS / 16;     // k16 steps of P V
+  static_assert(THREADS % C == 0 && ROWS % STEP == 0 && KEYS % STEP == 0, "verify_attention: copy shape");
+  extern __shared__ __align__(128) unsigned char verify_smem[];
+  __shared__ int limit_s[ROWS];                        // the last cache row query row r sees; -1: padding
+  bf16* q_s = reinterpret_cast<bf16*>(verify_smem);  // [ROWS][HD]
+  bf16* k_s = q_s + ROWS * HD;                        // [STAGES][KEYS][HD]
+  bf16* v_s = k_s + STAGES * TILE;                    // [STAGES][KEYS][HD]
+  pdl_launch_dependents();
+  const int split = blockIdx.x, kvh = blockIdx.y;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int M = a.T * a.G;
+  {  // L2 prefetch of a short split before the positions are final (as prefetch_split_rows)
+    int hint = 1;
+    for (int t = 0; t < a.T; ++t) hint = max(hint, load_hint(a.positions + t) + 1);
+    const int len = min(hint, a.capacity), chunk = verify_chunk(len, a.nsplit, KEYS), start = split * chunk;
+    if (chunk <= kAttnPrefetchRows) prefetch_kv_rows<HD>(a.k, a.v, a.ldc, kvh, start, min(len - start, chunk));
+  }
+  pdl_wait();  // q, the caches and the positions come from earlier kernels
+  const int len = verify_length(a.positions, a.T);
+  const int chunk = verify_chunk(len, a.nsplit, KEYS), start = split * chunk;
+  if (start >= len) return;  // empty split: the combine kernel does not read it
+  const int end = min(len, start + chunk), tiles = (end - start + KEYS - 1) / KEYS;
+
+  for (int r = threadIdx.x; r < ROWS; r += THREADS) limit_s[r] = r < M ? a.positions[r / a.G] : -1;
+  // Copies: thread i takes chunk i % C of rows i / C + STEP n. Q rows past M are zero-filled.
+  const int c = threadIdx.x % C, r0 = threadIdx.x / C;
+#pragma unroll
+  for (int n = 0; n < ROWS / STEP; ++n) {
+    const int r = r0 + n * STEP;
+    const bool ok = r < M;
+    const int64_t off = ok ? int64_t(r / a.G) * a.ldq + int64_t(kvh * a.G + r % a.G) * HD + c * 8 : 0;
+    cp_async16(q_s + flash_swz<HD>(r, c), a.q + off, ok ? 16 : 0);
+  }
+  const bf16* k_g = a.k + int64_t(kvh) * HD;
+  const bf16* v_g = a.v + int64_t(kvh) * HD;
+  auto load_tile = [&](int j) {  // tile j (cache rows start + KEYS j ..) into ring slot j % STAGES; rows past end zero-filled
+    const int kv0 = start + j * KEYS;
+    bf16* kd = k_s + (j % STAGES) * TILE;
+    bf16* vd = v_s + (j % STAGES) * TILE;
+#pragma unroll
+    for (int n = 0; n < KEYS / STEP; ++n) {
+      const int r = r0 + n * STEP;
+      const bool ok = kv0 + r < end;
+      const int64_t off = ok ? int64_t(kv0 + r) * a.ldc + c * 8 : 0;
+      cp_async16(kd + flash_swz<HD>(r, c), k_g + off, ok ? 16 : 0);
+      cp_async16(vd + flash_swz<HD>(r, c), v_g + off, ok ? 16 : 0);
+    }
+  };
+  load_tile(0);
+  cp_async_commit();  // group 0: Q and tile 0; group j: tile j
+#pragma unroll
+  for (int j = 1; j < STAGES - 1; ++j) {
+    if (j < tiles) load_tile(j);
+    cp_async_commit();
+  }
+  __syncthreads();  // limit_s
+
+  // The warp's rows 16 warp .. + 15: the real ones (< M) all see [0, hi_min] and together [0, hi_max]
+  // (hi_max = -1: only padding rows, the warp skips every tile).
+  const int wrow0 = warp * 16, own = wrow0 + (lane & 15);
+  const int hi_min = __reduce_min_sync(~0u, own < M ? limit_s[own] : INT_MAX);
+  const int hi_max = __reduce_max_sync(~0u, own < M ? limit_s[own] : -1);
+
+  // ldmatrix row addresses of this lane, as in flash_attention_kernel (fragment layouts in mma.cuh).
+  const uint32_t q_addr = uint32_t(__cvta_generic_to_shared(q_s));
+  const uint32_t k_addr = uint32_t(__cvta_generic_to_shared(k_s));
+  const uint32_t v_addr = uint32_t(__cvta_generic_to_shared(v_s));
+  const int q_row = wrow0 + (lane & 15), q_chunk = lane >> 4;
+  const int k_row = (lane & 7) + ((lane >> 4) << 3), k_chunk = (lane >> 3) & 1;
+  const int v_row = (lane & 7) + (((lane >> 3) & 1) << 3), v_chunk = lane >> 4;
+
+  float o[NT][4];
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // per row: running max (of x) and this thread's partial sum
+#pragma unroll
+  for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+
+  for (int j = 0; j < tiles; ++j) {
+    cp_async_wait<STAGES - 2>();  // this thread's copies of tile j (and Q) have landed
+    __syncthreads();  // everyone's have; every warp is done with tile j - 1, whose slot the next copy takes
+    if (j + STAGES - 1 < tiles) load_tile(j + STAGES - 1);
+    cp_async_commit();
+    const int kv0 = start + j * KEYS;
+    if (kv0 > hi_max) continue;  // no key of this tile for the warp's rows
+    const uint32_t slot_bytes = uint32_t(j % STAGES) * TILE * 2;
+    const uint32_t kb = k_addr + slot_bytes, vb = v_addr + slot_bytes;
+
+    // S = Q K^T: s[n] covers keys kv0 + 8n .. 8n + 7.
+    float s[2 * KT][4];
+#pragma unroll
+    for (int n = 0; n < 2 * KT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      uint32_t qf[4];
+      ldmatrix_x4(qf, q_addr + 2 * flash_swz<HD>(q_row, 2 * kk + q_chunk));
+#pragma unroll
+      for (int np = 0; np < KT; ++np) {
+        uint32_t kf[4];
+        ldmatrix_x4(kf, kb + 2 * flash_swz<HD>(16 * np + k_row, 2 * kk + k_chunk));
+        mma_16816(s[2 * np], qf[0], qf[1], qf[2], qf[3], kf[0], kf[1]);
+        mma_16816(s[2 * np + 1], qf[0], qf[1], qf[2], qf[3], kf[2], kf[3]);
+      }
+    }
+    if (kv0 + KEYS - 1 > hi_min) {  // the tile cuts some row's range (or runs past len)
+#pragma unroll
+      for (int n = 0; n < 2 * KT; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = kv0 + 8 * n + 2 * (lane & 3) + (e & 1);
+          if (key > limit_s[wrow0 + 8 * (e >> 1) + (lane >> 2)]) s[n][e] = -INFINITY;
+        }
+    }
+
+    // Online softmax; the 4 lanes of a quad share a row. P goes to pf as the A fragments of P V.
+    float base[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int n = 0; n < 2 * KT; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * i], s[n][2 * i + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(~0u, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(~0u, mx, 2));
+      const float m_new = fmaxf(m[i], mx * a.scale_log2);
+      base[i] = m_new == -INFINITY ? 0.0f : m_new;  // no key for this row yet: 2^(x - base) = 0, not NaN
+      const float corr = exp2f(m[i] - base[i]);
+      m[i] = m_new;
+      l[i] *= corr;
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        o[n][2 * i] *= corr;
+        o[n][2 * i + 1] *= corr;
+      }
+    }
+    uint32_t pf[KT][4];
+#pragma unroll
+    for (int n = 0; n < 2 * KT; ++n) {
+      float p[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) p[e] = exp2f(fmaf(s[n][e], a.scale_log2, -base[e >> 1]));
+      l[0] += p[0] + p[1];
+      l[1] += p[2] + p[3];
+      pf[n / 2][2 * (n % 2)] = pack_bf16x2(p[0], p[1]);
+      pf[n / 2][2 * (n % 2) + 1] = pack_bf16x2(p[2], p[3]);
+    }
+
+    // O += P V: o[n] covers head dims 8n .. 8n + 7.
+#pragma unroll
+    for (int kt = 0; kt < KT; ++kt)
+#pragma unroll
+      for (int dp = 0; dp < HD / 16; ++dp) {
+        uint32_t vf[4];
+        ldmatrix_x4_trans(vf, vb + 2 * flash_swz<HD>(16 * kt + v_row, 2 * dp + v_chunk));
+        mma_16816(o[2 * dp], pf[kt][0], pf[kt][1], pf[kt][2], pf[kt][3], vf[0], vf[1]);
+        mma_16816(o[2 * dp + 1], pf[kt][0], pf[kt][1], pf[kt][2], pf[kt][3], vf[2], vf[3]);
+      }
+  }
+
+  // This thread holds head dims 8n + 2 (lane % 4), +1 of rows wrow0 + lane / 4 (i = 0) and + 8 (i = 1).
+  const int d0 = 2 * (lane & 3);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    float sum = l[i];
+    sum += __shfl_xor_sync(~0u, sum, 1);
+    sum += __shfl_xor_sync(~0u, sum, 2);
+    const int r = wrow0 + 8 * i + (lane >> 2);
+    if (r >= M || limit_s[r] < start) continue;  // padding, or a token without rows in this split
+    const int t = r / a.G, h = kvh * a.G + r % a.G;
+    if (a.nsplit == 1) {
+      const float inv = 1.0f / sum;
+      const bf16* gate = a.qkv + int64_t(t) * a.ldqkv + int64_t(h) * 2 * HD + HD + d0;
+      bf16* dst = a.out + int64_t(t) * a.ldo + int64_t(h) * HD + d0;
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        const float2 gv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(gate + 8 * n));
+        *reinterpret_cast<__nv_bfloat162*>(dst + 8 * n) =
+            __floats2bfloat162_rn(o[n][2 * i] * inv * sigmoid(gv.x), o[n][2 * i + 1] * inv * sigmoid(gv.y));
+      }
+    } else {
+      const int64_t slot = (int64_t(t) * a.Hq + h) * a.nsplit + split;
+      float* dst = a.part_acc + slot * HD + d0;
+#pragma unroll
+      for (int n = 0; n < NT; ++n) *reinterpret_cast<float2*>(dst + 8 * n) = make_float2(o[n][2 * i], o[n][2 * i + 1]);
+      if ((lane & 3) == 0) a.part_ml[slot] = make_float2(m[i], sum);
+    }
+  }
+}
+
+// Resident blocks per SM of verify_attention_kernel<HD, ROWS> (its shared memory decides); the first
+// call also allows the kernel its dynamic shared memory (allowed during graph capture).
+template <int HD, int ROWS> int verify_blocks_per_sm() {
+  using Cfg = VerifyConfig<HD, ROWS>;
+  static const int blocks = [] {
+    check_cuda(cudaFuncSetAttribute(verify_attention_kernel<HD, ROWS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    Cfg::SMEM),
+               "cudaFuncSetAttribute (verify_attention_kernel)");
+    int n = 0;
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, verify_attention_kernel<HD, ROWS>, Cfg::THREADS,
+                                                             Cfg::SMEM),
+               "cudaOccupancyMaxActiveBlocksPerMultiprocessor (verify_attention_kernel)");
+    return std::max(n, 1);
+  }();
+  return blocks;
+}
+
+// verify_attention_kernel, then (with more than one split) the combine; the workspace as
+// launch_attention_decode's.
+template <int HD, int ROWS> void launch_verify_attention(const DecodeArgs& d, const LaunchCtx& ctx) {
+  using Cfg = VerifyConfig<HD, ROWS>;
+  const int64_t wave = int64_t(verify_blocks_per_sm<HD, ROWS>()) * d.sm_count;
+  const int64_t per_split = int64_t(d.T) * d.Hq * (HD + 2) * int64_t(sizeof(float));
+  const int64_t nsplit = std::max<int64_t>(1, std::min({wave / d.Hkv, (d.capacity + Cfg::KEYS - 1) / Cfg::KEYS,
+                                                         int64_t(kMaxSplits), int64_t(d.workspace_bytes) / per_split}));
+  VerifyArgs a;
+  a.q = d.q;
+  a.ldq = d.ldq;
+  a.k = d.k_cache;
+  a.v = d.v_cache;
+  a.ldc = d.ldc;
+  a.qkv = d.qkv;
+  a.ldqkv = d.ldqkv;
+  a.out = d.out;
+  a.ldo = d.ldo;
+  a.positions = d.positions;
+  a.part_acc = static_cast<float*>(d.workspace);
+  a.part_ml = reinterpret_cast<float2*>(a.part_acc + int64_t(d.T) * d.Hq * nsplit * HD);
+  a.T = d.T;
+  a.Hq = d.Hq;
+  a.G = d.G;
+  a.nsplit = int(nsplit);
+  a.capacity = int(std::min<int64_t>(d.capacity, INT_MAX));
+  a.scale_log2 = d.scale_log2;
+  launch_pdl(ctx, "verify_attention_kernel", verify_attention_kernel<HD, ROWS>, dim3(unsigned(nsplit), unsigned(d.Hkv)),
+             Cfg::THREADS, Cfg::SMEM, a);
+  if (nsplit > 1) {
+    const int slices = HD / std::min(HD, kCombineCols);
+    launch_pdl(ctx, "attention_combine_kernel", attention_combine_kernel<true>,
+               dim3(unsigned(d.Hq * slices), unsigned(d.T)), kCombineThreads, 0, static_cast<const float*>(a.part_acc),
+               static_cast<const float2*>(a.part_ml), d.positions, d.qkv, d.ldqkv, d.out, d.ldo, d.Hq, HD, a.nsplit,
+               Cfg::KEYS);
+  }
+}
+
+// Calls f(std::integral_constant<int, HD>{}, std::integral_constant<int, ROWS>{}) for the instantiation
+// of verify_attention_kernel that takes head_dim hd (64, 128; anything else: 256, which the caller
+// has checked) and `rows` = T G <= 128 query rows.
+template <class F> void dispatch_verify(int64_t hd, int64_t rows, F&& f) {
+  auto by_rows = [&](auto h) {
+    if (rows <= 64) f(h, std::integral_constant<int, 64>{});
+    else f(h, std::integral_constant<int, 128>{});
+  };
+  switch (hd) {
+    case 64: by_rows(std::integral_constant<int, 64>{}); break;
+    case 128: by_rows(std::integral_constant<int, 128>{}); break;
+    default: by_rows(std::integral_constant<int, 256>{}); break;
+  }
+}
+
 }  // namespace
 }  // namespace cuda
 
@@ -1283,6 +1625,12 @@ void CudaBackend::attention(const Tensor& q, const Tensor& k_cache, const Tensor
   a.workspace = workspace_;
   a.workspace_bytes = workspace_bytes_;
   a.sm_count = sm_count_;
+  if (attn_verify_ && T >= kVerifyMinTokens && T <= kMaxSplitTokens && (hd == 64 || hd == 128 || hd == 256) &&
+      flash_aligned({{q.data, q.row_stride}, {k_cache.data, ldc}, {v_cache.data, ldc}, {qkv.data, qkv.row_stride},
+                     {out.data, out.row_stride}})) {
+    dispatch_verify(hd, T * G, [&](auto h, auto rows) { launch_verify_attention<h, rows>(a, launch_ctx()); });
+    return;
+  }
   dispatch_decode(hd, G, [&](auto e, auto gm) { launch_attention_decode<e, gm>(a, launch_ctx()); });
 }
 

@@ -107,6 +107,8 @@ CudaBackend::CudaBackend(int device_index) : device_(device_index) {
   gdn_fused_ = !(fused_env && std::strcmp(fused_env, "0") == 0);
   const char* attn_fused_env = std::getenv("OCRIA_RT_ATTN_FUSED");
   attn_fused_ = !(attn_fused_env && std::strcmp(attn_fused_env, "0") == 0);
+  const char* attn_verify_env = std::getenv("OCRIA_RT_ATTN_VERIFY");
+  attn_verify_ = !(attn_verify_env && std::strcmp(attn_verify_env, "0") == 0);
   const char* merge_env = std::getenv("OCRIA_RT_ATTN_MERGE_GROUP");
   if (merge_env && *merge_env) attn_merge_group_ = std::max(1, std::atoi(merge_env));
   const char* ksplit_env = std::getenv("OCRIA_RT_SKINNY_KSPLIT");

@@ -253,6 +253,10 @@ class CudaBackend final : public Backend {
   // Whether attention_decode runs its one-kernel decode step where it applies (OCRIA_RT_ATTN_FUSED !=
   // "0" in the environment when the backend was constructed; "0" runs attention_prepare + attention).
   bool attn_fused() const { return attn_fused_; }
+  // Whether attention runs 2..16 tokens (a speculative verify block) through its tensor-core kernel
+  // where it applies (OCRIA_RT_ATTN_VERIFY != "0" in the environment when the backend was
+  // constructed; "0" runs them through the flash-decoding kernels, as T = 1, for comparison).
+  bool attn_verify() const { return attn_verify_; }
   // The one-kernel decode step merges up to this many non-empty splits of a kv head in one level, more
   // in two (attention.cu): OCRIA_RT_ATTN_MERGE_GROUP in the environment when the backend was
   // constructed (at least 1; 1024, the most splits, or more: always one level), for experiments;
@@ -366,6 +370,7 @@ class CudaBackend final : public Backend {
   bool pdl_ = true;
   bool gdn_fused_ = true;
   bool attn_fused_ = true;
+  bool attn_verify_ = true;
   int attn_merge_group_ = kDefaultAttnMergeGroup;
   int skinny_ksplit_ = 0;
   // OCRIA_RT_SKINNY_CLUSTER, read when the backend is constructed: 2 or 4 split every tile's K over
