@@ -17,9 +17,10 @@
 - Gated DeltaNet recurrence per layer at T = 1 and 16, against the time to read and write the fp32
   state once; GDN prefill (the chunked kernels) at T = 1k / 4k / 8k beside the token-serial
   recurrence and flash-linear-attention's chunk_gated_delta_rule (when fla and torch import);
-- attention decode at 1k / 8k / 32k context (and verify T = 16 at 8k), against reading the KV cache once,
-  and the whole step (attention_decode: q / k norms, RoPE, cache write, attention; for T = 1 one
-  kernel) beside attention_prepare + attention;
+- attention decode (T = 1) and a speculative verify block (T = 16) at 1k / 8k / 32k context, against
+  reading the KV cache once, and the whole step (attention_decode: q / k norms, RoPE, cache write,
+  attention; for T = 1 one kernel) beside attention_prepare + attention; for T = 16 also the
+  flash-decoding kernels the verify kernel replaces (OCRIA_RT_ATTN_VERIFY=0);
 - attention prefill (causal, T = 1k / 4k / 8k tokens from an empty cache): TFLOP/s against torch's
   scaled_dot_product_attention (flash backend, K / V repeated over the GQA group) on the same shapes;
 - sampling over the 248320-entry vocabulary.
@@ -211,7 +212,7 @@ def main() -> None:
                     help="comma-separated pieces of shape names (e.g. 'o_proj,down'): the sweeps time only the "
                          "linear shapes whose name holds one of them (default: all)")
     ap.add_argument("--attention-contexts", default=",".join(map(str, ATTN_CONTEXTS)),
-                    help="comma-separated context lengths of the T = 1 attention table (default %(default)s)")
+                    help="comma-separated context lengths of the attention table, T = 1 and 16 (default %(default)s)")
     args = ap.parse_args()
     attn_contexts = [int(c) for c in args.attention_contexts.split(",") if c]
 
@@ -391,7 +392,8 @@ def main() -> None:
 
     # ---- attention over the KV cache ----
     rows = []
-    for T, ctx in [(1, c) for c in attn_contexts] + [(16, 8192)]:
+    kb_split = kernel_bench_with_env(_core, "OCRIA_RT_ATTN_VERIFY", "0")  # T = 2..16 through flash-decoding
+    for T, ctx in [(T, c) for T in (1, 16) for c in attn_contexts]:
         kv_bytes = 2 * ctx * HKV * HD * 2
         iters = iters_for(kv_bytes / bw, lo=10)
         us = med(kb.attention(T, ctx, HQ, HKV, HD, iters=iters, reps=args.reps))
@@ -401,17 +403,21 @@ def main() -> None:
         r["step us"] = round(med(kb.attention_decode(T, ctx, HQ, HKV, HD, fused=True, iters=iters, reps=args.reps)), 2)
         r["prepare + attention us"] = round(
             med(kb.attention_decode(T, ctx, HQ, HKV, HD, fused=False, iters=iters, reps=args.reps)), 2)
+        r["flash-decoding us"] = (round(med(kb_split.attention(T, ctx, HQ, HKV, HD, iters=iters, reps=args.reps)), 2)
+                                  if T > 1 else "")
         rows.append(r)
         results["attention"].append({**r, "kv_bytes": kv_bytes})
         summary.append({"kernel": "attention", "case": f"T={T} ctx={ctx} Hq={HQ} Hkv={HKV} hd={HD}",
                         "time": f"{us:.1f} us", "achieved": f"{got / 1e12:.2f} TB/s", "reference": "KV read once",
                         "ratio": f"{got / bw:.0%}"})
+    del kb_split
     # The shortest a dependent kernel can be in these chains: a one-row copy (an embedding gather of one
     # hidden row), launched back to back with PDL like every op above.
     floor_us = med(kb.copy(1, H, iters=200, reps=args.reps))
     results["kernel_floor_us"] = round(floor_us, 2)
     print("\n## Attention (one layer)\n")
-    print(markdown_table(rows, ["T", "context", "us", "KV TB/s", "of copy BW", "step us", "prepare + attention us"]))
+    print(markdown_table(rows, ["T", "context", "us", "KV TB/s", "of copy BW", "step us", "prepare + attention us",
+                                "flash-decoding us"]))
     print(f"\nA one-row copy in the same kind of chain (the floor of a dependent kernel): {floor_us:.2f} us")
 
     # ---- attention prefill: T tokens from an empty cache (causal), flash kernel vs torch SDPA ----

@@ -634,7 +634,8 @@ def test_attention_positions_not_contiguous(cpu, gpu):
 
 # Decode (T <= 16) against a cache larger than the context, as in the engine: the number of splits is
 # fixed from the capacity, the lengths (and so the chunk size and the non-empty splits) come from the
-# positions on the device. The kernel's splits are max(ceil(len / nsplit), 32) rows.
+# positions on the device. The kernel's splits are max(ceil(len / nsplit), 32) rows. (T = 2..16 with head_dim
+# 64 / 128 / 256 runs the verify kernel: test_cuda_verify_attention.py.)
 DECODE_CASES = [
     # hq, hkv, hd, T, first position, cache rows
     (16, 4, 256, 1, 0, 32768),  # a single row: one non-empty split out of many
