@@ -204,3 +204,21 @@ def test_flash_decoding_fallback(cpu, split_gpu, hq, hkv, hd, T, start, rows):
     q, kc, vc, qkv = verify_inputs(rng, hq, hkv, hd, pos, rows)
     want = cpu.attention(q, kc, vc, qkv, pos, hq, hkv, hd)
     assert relerr(split_gpu.attention(q, kc, vc, qkv, pos, hq, hkv, hd), want) <= OUT_TOL
+
+
+def test_model_scores_in_verify_blocks(monkeypatch):
+    """ocria-mini (head_dim 64, 4 q / 2 kv heads) scoring a sequence 16 tokens per forward pass, as a
+    speculative decoding step verifies a block: its logits are as close to the CPU's with the verify
+    kernel as with the flash-decoding kernels (OCRIA_RT_ATTN_VERIFY=0, read when the engine's backend is
+    constructed)."""
+    import ocria_rt
+
+    text = "Invoice no. 4471, 12 March: 3 x widgets at 19.99 each; shipping 4.50; total due 64.47.\n" * 6
+    want = ocria_rt.Engine().score(text)
+    got = {}
+    for verify in ("1", "0"):
+        monkeypatch.setenv("OCRIA_RT_ATTN_VERIFY", verify)
+        got[verify] = ocria_rt.Engine(device="cuda").score(text, chunk=16)
+    assert len(want) > 64
+    errs = {v: np.mean([relerr(g[t], want[t]) for t in range(len(want))]) for v, g in got.items()}
+    assert np.isfinite(errs["1"]) and errs["1"] <= 1.25 * errs["0"] + 5e-3, errs
