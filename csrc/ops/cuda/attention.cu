@@ -1283,7 +1283,8 @@ __global__ void __launch_bounds__(VerifyConfig<HD, ROWS>::THREADS, 1) verify_att
   }
   const bf16* k_g = a.k + int64_t(kvh) * HD;
   const bf16* v_g = a.v + int64_t(kvh) * HD;
-  auto load_tile = [&](int j) {  // tile j (cache rows start + KEYS j ..) into ring slot j % STAGES; rows past end zero-filled
+  // Tile j (cache rows start + KEYS j ..) into ring slot j % STAGES; rows past end zero-filled.
+  auto load_tile = [&](int j) {
     const int kv0 = start + j * KEYS;
     bf16* kd = k_s + (j % STAGES) * TILE;
     bf16* vd = v_s + (j % STAGES) * TILE;
@@ -1320,7 +1321,8 @@ __global__ void __launch_bounds__(VerifyConfig<HD, ROWS>::THREADS, 1) verify_att
   const int v_row = (lane & 7) + (((lane >> 3) & 1) << 3), v_chunk = lane >> 4;
 
   float o[NT][4];
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // per row: running max (of x) and this thread's partial sum
+  // Per row: the running max (of x) and this thread's partial sum.
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
 #pragma unroll
   for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
 
