@@ -114,3 +114,18 @@ def test_vector_posts():
     from support import check_vector_posts
 
     check_vector_posts(_core.OpRunner("cpu"))
+
+
+@pytest.mark.parametrize("name", ["dflash2_tiny", "dflash_vlm"])
+def test_whole_blocks_at_the_context_limit(name):
+    """Forced acceptance of whole blocks with prompt + max_new_tokens = max_context: the last step writes
+    cache rows past the context limit (into the spare rows), and the next generation on the same
+    engine is a fresh engine's."""
+    B = block_size(name)
+    prompt = np.random.default_rng(8).integers(0, text_vocab(name), 6).tolist()
+    n = 2 * B + 3
+    options = dict(drafter=DRAFTERS / name, num_threads=1, max_context=len(prompt) + n, benchmark_forced_acceptance=B)
+    eng = ocria_rt.Engine(target_dir(name), **options)
+    first = eng.generate(prompt, n, stop_token_ids=[]).token_ids
+    assert eng.generate(prompt, n, stop_token_ids=[]).token_ids == first
+    assert ocria_rt.Engine(target_dir(name), **options).generate(prompt, n, stop_token_ids=[]).token_ids == first
