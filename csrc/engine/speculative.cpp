@@ -188,7 +188,15 @@ template <class Ops> void SpeculativeDecoder::run_phase(int slot, bool graphs, O
   if (!graphs) return ops();
   if (!ready_[size_t(slot)]) {
     be_.begin_capture();
-    ops();
+    try {
+      ops();
+    } catch (...) {  // the stream must leave capture mode; the partial graph is never replayed
+      try {
+        be_.end_capture(slot);
+      } catch (...) {
+      }
+      throw;
+    }
     be_.end_capture(slot);
     ready_[size_t(slot)] = true;
   }
