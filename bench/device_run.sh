@@ -2,8 +2,9 @@
 # One call on a GPU machine without internet: build and install from source, run the GPU tests and
 # the benchmarks, and leave logs and JSON in OUT_DIR.
 #
-#   bench/device_run.sh OUT_DIR [tests|kernels|decode|vision|all|ncu ...]
+#   bench/device_run.sh OUT_DIR [tests|kernels|decode|vision|all|ncu|spec ...]
 #
+# spec (not part of all): speculative decoding, bench/spec.py (SPEC_ARGS for its arguments).
 # ncu (not part of all): decode steps under Nsight Compute, bench/ncu_step.py (NCU_ARGS for its `run`,
 # e.g. "--shape qwen3.5-0.8b"); needs a runtime with hardware counters. With NCU_KERNELS (a regex of
 # kernel names, e.g. "gdn_decode|attention_decode"), also the first NCU_LAUNCHES (default 4) launches
@@ -65,6 +66,9 @@ if [[ " $STEPS " == *" ncu "* ]]; then
     ${NCU:-ncu} -i "$OUT_DIR/ncu-kernels.ncu-rep" --page source --csv --print-source sass > "$OUT_DIR/ncu-source.csv" 2>&1
     python3 bench/ncu_step.py source "$OUT_DIR/ncu-source.csv" --out "$OUT_DIR/ncu-source.md" 2>&1 | head -30
   fi
+fi
+if [[ " $STEPS " == *" spec "* ]]; then
+  python3 bench/spec.py "$OUT_DIR/spec.json" ${SPEC_ARGS:-} 2>&1 | tee "$OUT_DIR/spec.log" | tail -20
 fi
 if has_step decode; then
   python3 bench/decode.py "$OUT_DIR/decode.json" ${DECODE_ARGS:-} 2>&1 | tee "$OUT_DIR/decode.log" | tail -20

@@ -43,6 +43,28 @@ def check_post_mailbox(runner) -> None:
             runner.post_steps(0, 0, steps, [tag], drain=True)
 
 
+def check_vector_posts(runner) -> None:
+    """Backend.post_i32 of vectors (a speculative step's count and tokens) on an OpRunner: steps queued
+    without a wait (replays of one captured graph where the backend has graphs) each post the vector
+    under a tag, then add 1 to every value and the tag on the device. Waiting returns each tag's own
+    vector, whole; the 8-slot mailbox forgets the oldest; one value and kMaxPostValues (64) values are
+    posts, 65 and none are errors (checked outside a capture)."""
+    block = [7] + list(range(100, 116))  # a count, then B = 16 tokens
+    got = runner.post_vector_steps(block, 0, 6, [0, 1, 2, 3, 4, 5])
+    assert got == [[v + k for v in block] for k in range(6)]
+    got = runner.post_vector_steps(block, 3, 12, [14, 7, 10], drain=True)
+    assert got == [[v + k for v in block] for k in (11, 4, 7)]
+    with pytest.raises(ocria_rt.errors.InternalError, match="no post tagged 3 "):
+        runner.post_vector_steps(block, 3, 12, [3], drain=True)
+    assert runner.post_vector_steps([9], 2, 1, [2]) == [[9]]
+    widest = list(range(-32, 32))
+    assert runner.post_vector_steps(widest, 0, 2, [1]) == [[v + 1 for v in widest]]
+    assert runner.post_vector(widest, 5) == widest
+    for values in (list(range(65)), []):
+        with pytest.raises(ocria_rt.errors.InternalError, match="post_i32: expected 1..64 contiguous I32 values"):
+            runner.post_vector(values, 0)
+
+
 def chi2_pvalue(counts, probs) -> float:
     """Goodness of fit of counts to probs (cells of expected count < 5 pooled), Wilson-Hilferty."""
     counts, probs = np.asarray(counts, float), np.asarray(probs, float)

@@ -292,16 +292,16 @@ class KernelBench {
       try {
         run_all();
       } catch (...) {
-        be_->end_capture();
+        be_->end_capture(0);
         throw;
       }
-      be_->end_capture();
-      be_->replay();
+      be_->end_capture(0);
+      be_->replay(0);
       be_->synchronize();
     }
     for (int r = 0; r < std::max(1, reps); ++r) {
       const auto t0 = std::chrono::steady_clock::now();
-      if (graphs) be_->replay();
+      if (graphs) be_->replay(0);
       else run_all();
       be_->synchronize();
       const auto t1 = std::chrono::steady_clock::now();

@@ -159,7 +159,7 @@ PYBIND11_MODULE(_core, m) {
   py::class_<Engine>(m, "Engine")
       .def(py::init([](const std::string& dir, const std::string& device, int64_t max_context, int64_t prefill_chunk,
                        int num_threads, bool cuda_graphs, int64_t max_image_patches, const std::string& drafter,
-                       bool linear_observer) {
+                       bool linear_observer, int64_t benchmark_forced_acceptance, bool benchmark_phase_timing) {
              EngineOptions o;
              o.drafter = drafter;
              o.device = device;
@@ -169,12 +169,15 @@ PYBIND11_MODULE(_core, m) {
              o.cuda_graphs = cuda_graphs;
              o.max_image_patches = max_image_patches;
              o.linear_observer = linear_observer;
+             o.benchmark_forced_acceptance = benchmark_forced_acceptance;
+             o.benchmark_phase_timing = benchmark_phase_timing;
              py::gil_scoped_release release;
              return Engine::create(dir, o);
            }),
            py::arg("model_dir"), py::arg("device") = "cpu", py::arg("max_context") = 0, py::arg("prefill_chunk") = 0,
            py::arg("num_threads") = 0, py::arg("cuda_graphs") = true, py::arg("max_image_patches") = 16384,
-           py::arg("drafter") = "", py::arg("linear_observer") = false)
+           py::arg("drafter") = "", py::arg("linear_observer") = false, py::arg("benchmark_forced_acceptance") = 0,
+           py::arg("benchmark_phase_timing") = false)
       .def_property_readonly("config", [](const Engine& e) { return config_to_dict(e.config()); })
       .def_property_readonly("max_context", &Engine::max_context)
       .def("stats", [](const Engine& e) {
@@ -196,6 +199,12 @@ PYBIND11_MODULE(_core, m) {
         d["draft_block_size"] = s.draft_block_size;
         d["drafter_weight_bytes"] = s.drafter_weight_bytes;
         d["drafter_state_bytes"] = s.drafter_state_bytes;
+        d["launches_per_speculative_step"] = s.launches_per_speculative_step;
+        d["kernels_per_speculative_step"] = s.kernels_per_speculative_step;
+        d["timed_speculative_steps"] = s.timed_speculative_steps;
+        d["speculative_draft_seconds"] = s.speculative_draft_seconds;
+        d["speculative_verify_seconds"] = s.speculative_verify_seconds;
+        d["speculative_commit_seconds"] = s.speculative_commit_seconds;
         return d;
       })
       .def("score", [](Engine& e, const std::vector<int32_t>& ids, int64_t chunk, std::optional<FloatArray> pixel_values,

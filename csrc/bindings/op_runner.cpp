@@ -162,8 +162,8 @@ template <class Step> std::function<void()> captured_step(OpRunner& r, Step& ste
   if (!r.be().supports_graphs()) return [&step] { step(); };
   r.be().begin_capture();
   step();
-  r.be().end_capture();
-  return [&r] { r.be().replay(); };
+  r.be().end_capture(0);
+  return [&r] { r.be().replay(0); };
 }
 
 // `steps` runs of `step` (captured_step). `out` is poisoned before each run and read back after it:
@@ -459,6 +459,54 @@ void register_op_runner(py::module_& m) {
              return got;
            },
            py::arg("value"), py::arg("tag"), py::arg("steps"), py::arg("wait_tags"), py::arg("drain") = false)
+      .def("post_vector_steps",
+           [](OpRunner& r, const std::vector<int32_t>& values, int32_t tag, int64_t steps,
+              const std::vector<int32_t>& wait_tags, bool drain) {
+             // `steps` steps (captured_step) that each post the vector `values` under `tag`, then add 1 to
+             // every value and to the tag on the device, queued without a wait; then (after draining the
+             // queue, if `drain`) the vectors waited for under wait_tags, in order.
+             r.be().clear_posts();
+             I32Array init(std::vector<py::ssize_t>{py::ssize_t(values.size()) + 1});
+             std::copy(values.begin(), values.end(), init.mutable_data());
+             init.mutable_data()[values.size()] = tag;
+             const Tensor all = r.upload_i32(init), v = all.rows(0, int64_t(values.size())),
+                          t = all.rows(int64_t(values.size()), 1);
+             auto step = [&] {
+               r.be().post_i32(v, t);
+               r.be().increment(all, 1);
+             };
+             const std::function<void()> run = captured_step(r, step);
+             for (int64_t i = 0; i < steps; ++i) run();
+             if (drain) r.be().synchronize();
+             std::vector<std::vector<int32_t>> got;
+             for (int32_t w : wait_tags) got.push_back(r.be().wait_post_i32s(w));
+             return got;
+           },
+           py::arg("values"), py::arg("tag"), py::arg("steps"), py::arg("wait_tags"), py::arg("drain") = false)
+      .def("post_vector",
+           [](OpRunner& r, const std::vector<int32_t>& values, int32_t tag) {
+             // One post of `values` under `tag`, then the vector waited for under that tag.
+             r.be().clear_posts();
+             I32Array init(std::vector<py::ssize_t>{py::ssize_t(values.size()) + 1});
+             std::copy(values.begin(), values.end(), init.mutable_data());
+             init.mutable_data()[values.size()] = tag;
+             const Tensor all = r.upload_i32(init);
+             r.be().post_i32(all.rows(0, int64_t(values.size())), all.rows(int64_t(values.size()), 1));
+             return r.be().wait_post_i32s(tag);
+           })
+      .def("speculative_advance",
+           [](OpRunner& r, int32_t count, I32Array tokens, I32Array positions, I32Array rope_positions,
+              I32Array draft_ids, I32Array verify_ids, int32_t step) {
+             // Returns (positions, rope_positions, draft_ids, verify_ids, step) after the op.
+             I32Array c(std::vector<py::ssize_t>{1}), st(std::vector<py::ssize_t>{1});
+             c.mutable_data()[0] = count;
+             st.mutable_data()[0] = step;
+             Tensor pos = r.upload_i32(positions), rope = r.upload_i32(rope_positions), d = r.upload_i32(draft_ids),
+                    v = r.upload_i32(verify_ids), s = r.upload_i32(st);
+             r.be().speculative_advance(r.upload_i32(c), r.upload_i32(tokens), pos, rope, d, v, s);
+             return py::make_tuple(r.download_i32(pos), r.download_i32(rope), r.download_i32(d), r.download_i32(v),
+                                   r.download_i32(s).data()[0]);
+           })
       .def("gdn_verify_commit",
            [](OpRunner& r, F32Array proj, F32Array conv_w, F32Array conv_state, F32Array A_log, F32Array dt_bias,
               F32Array norm_w, F32Array state, int64_t hk, int64_t hv, int64_t dk, int64_t dv, int32_t keep, int64_t pad) {

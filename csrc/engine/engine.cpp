@@ -10,13 +10,13 @@
 #include "core/arena.h"
 #include "core/safetensors.h"
 #include "engine/linear_observer.h"
+#include "engine/speculative.h"
 #include "model/quant_config.h"
 #include "model/dflash.h"
 #include "model/qwen35.h"
 #include "model/qwen35_vision.h"
 #include "model/vision_grid.h"
 #include "ops/ops.h"
-#include "ops/sampling_rng.h"
 
 namespace ocria_rt {
 
@@ -27,9 +27,6 @@ double seconds_since(Clock::time_point t0) { return std::chrono::duration<double
 
 constexpr int64_t kDefaultMaxContext = 32768;
 constexpr int64_t kLogitRows = 16;  // score() computes logits this many rows at a time
-// The drafter's own draws (DFlash2's walk at temperature > 0) use a seed of their own, so that they
-// are independent of the acceptance tests that use the sampler's seed with the same counters.
-uint64_t draft_seed(uint64_t seed) { return splitmix64(seed ^ 0x6472616674ull); }
 
 std::unique_ptr<Backend> make_backend(const EngineOptions& o) {
   if (o.device == "cpu") return make_cpu_backend(o.num_threads);
@@ -64,8 +61,12 @@ class EngineImpl final : public Engine {
                                                    opt.drafter + "'): use device='cpu', or no drafter");
     std::optional<DraftConfig> draft_config;
     if (!opt.drafter.empty()) draft_config = load_draft_config(opt.drafter, config_);
-    // A verify step writes the target's and the drafter's cache rows up to B - 1 past the last token.
-    const int64_t block = draft_config ? draft_config->block_size : 0, cache_rows = max_context_ + block;
+    if (!draft_config && (opt.benchmark_forced_acceptance != 0 || opt.benchmark_phase_timing))
+      throw Error(ErrorCode::kInvalidArgument, "benchmark_forced_acceptance and benchmark_phase_timing need a drafter");
+    // Verify steps write the target's and the drafter's cache rows past the last token (see
+    // SpeculativeDecoder::issue_step).
+    const int64_t block = draft_config ? draft_config->block_size : 0;
+    const int64_t cache_rows = draft_config ? SpeculativeDecoder::cache_rows(max_context_, block) : max_context_;
 
     weights_ = std::make_unique<Arena>(*backend_);
     state_arena_ = std::make_unique<Arena>(*backend_);
@@ -82,12 +83,14 @@ class EngineImpl final : public Engine {
     }
     state_ = model_->make_state(*state_arena_, cache_rows);
     ws_ = model_->make_workspace(*work_, std::max(prefill_chunk_, block));
-    if (draft_config) load_drafter(*draft_config, opt.drafter);
     ids_ = work_->alloc(DType::I32, {prefill_chunk_});
     positions_ = work_->alloc(DType::I32, {prefill_chunk_});
     rope_positions_ = work_->alloc(DType::I32, {prefill_chunk_, 3});
     logits_ = work_->alloc(backend_->activation_dtype(), {kLogitRows, config_.vocab_size});
     step_ = work_->alloc(DType::I32, {1});
+    if (draft_config)
+      spec_ = std::make_unique<SpeculativeDecoder>(*draft_config, opt.drafter, *backend_, *model_, state_, ws_, step_,
+                                                   *work_, max_context_, prefill_chunk_, opt);
     token_ = work_->alloc(DType::I32, {1});
     decode_positions_ = work_->alloc(DType::I32, {4});
     decode_position_ = decode_positions_.rows(0, 1);
@@ -117,12 +120,19 @@ class EngineImpl final : public Engine {
     s.state_bytes = int64_t(state_arena_->bytes_used());
     s.workspace_bytes = int64_t(work_->bytes_used());
     // Known once a decode step has been captured: its kernels, replayed with one launch.
-    s.kernels_per_decode_step = graph_ready_ ? backend_->graph_kernels() : 0;
+    s.kernels_per_decode_step = graph_ready_ ? backend_->graph_kernels(kDecodeGraph) : 0;
     s.launches_per_decode_step = graph_ready_ ? 1 : 0;
-    if (drafter_) {
-      s.draft_block_size = drafter_->config().block_size;
-      s.drafter_weight_bytes = int64_t(draft_weights_->bytes_used());
-      s.drafter_state_bytes = int64_t(draft_state_arena_->bytes_used());
+    if (spec_) {
+      s.draft_block_size = spec_->drafter().config().block_size;
+      s.drafter_weight_bytes = spec_->weight_bytes();
+      s.drafter_state_bytes = spec_->state_bytes();
+      s.kernels_per_speculative_step = spec_->kernels_per_step();
+      s.launches_per_speculative_step = spec_->launches_per_step();
+      const PhaseTimes& t = spec_->phase_times();
+      s.timed_speculative_steps = t.steps;
+      s.speculative_draft_seconds = t.draft;
+      s.speculative_verify_seconds = t.verify;
+      s.speculative_commit_seconds = t.commit;
     }
     return s;
   }
@@ -163,7 +173,7 @@ class EngineImpl final : public Engine {
     active_ = false;
     max_new_ = sp.max_new_tokens;
     begin_sequence(prompt, images, {sp.temperature, int32_t(std::min<int64_t>(sp.top_k, config_.vocab_size)), sp.top_p, sp.seed},
-                   drafter_ && sp.speculative);
+                   spec_ && sp.speculative);
     const int32_t n = int32_t(prompt.size());
     const int32_t rope_n = int32_t(n + rope_delta_), rope3[3] = {rope_n, rope_n, rope_n};
     backend_->copy_from_host(decode_position_, &n, DType::I32);
@@ -172,32 +182,30 @@ class EngineImpl final : public Engine {
     active_ = true;
     returned_ = issued_ = 0;
     prefill_seconds_ = seconds_since(t0);
-    if (backend_->queues_work() && !speculative_) issue_steps_through(std::min<int64_t>(1, max_new_ - 1));
+    if (speculative_) spec_->issue_ahead();
+    else if (backend_->queues_work()) issue_steps_through(std::min<int64_t>(1, max_new_ - 1));
   }
 
   std::vector<int32_t> draft(const std::vector<int32_t>& prompt, const ImageBatch* images) override {
-    if (!drafter_) throw Error(ErrorCode::kInvalidArgument, "draft(): no drafter is loaded (create the engine with a drafter)");
+    if (!spec_) throw Error(ErrorCode::kInvalidArgument, "draft(): no drafter is loaded (create the engine with a drafter)");
     validate_tokens(prompt, "prompt");
     active_ = false;
     begin_sequence(prompt, images, SamplerConfig{}, true);
-    draft_proposals(speculative_anchor_, int64_t(prompt.size()), 0.0f, 0, /*use_hook=*/false);
-    std::vector<int32_t> proposals(size_t(drafter_->config().block_size - 1));
-    backend_->copy_to_host(proposals.data(), verify_ids_.rows(1, int64_t(proposals.size())));
-    return proposals;
+    return spec_->draft();
   }
 
-  std::vector<int64_t> acceptance_lengths() const override { return acceptance_; }
-  void set_proposal_hook(ProposalHook hook) override { hook_ = std::move(hook); }
+  std::vector<int64_t> acceptance_lengths() const override {
+    return speculative_ ? spec_->acceptance_lengths() : std::vector<int64_t>{};
+  }
+  void set_proposal_hook(ProposalHook hook) override {
+    if (spec_) spec_->set_proposal_hook(std::move(hook));
+  }
 
   int32_t next_token() override {
     if (!active_) throw Error(ErrorCode::kInvalidArgument, "next_token() called without start() or after the sequence ended");
     const int64_t k = returned_;  // token 0 comes from the prefill, token k >= 1 from decode step k
     if (speculative_) {
-      if (k > 0) {  // tokens 1.. come from verify steps, each emitting one or more
-        if (emitted_next_ == emitted_.size()) speculative_step();
-        pending_ = emitted_[emitted_next_++];
-        ++acceptance_.back();
-      }
+      if (k > 0) pending_ = spec_->next_token(k);  // tokens 1.. come from verify steps, each emitting one or more
     } else if (k > 0) {
       // A backend that queues work has step k in flight already and gets step k + 1 before the wait
       // for token k, so the device never idles on the host between steps (a generation that stops
@@ -247,13 +255,13 @@ class EngineImpl final : public Engine {
 
   void set_linear_weight(const std::string& module, const std::vector<float>& weight) override {
     model_->set_linear_rows(module, weight.data(), int64_t(weight.size()), *edits_);
-    graph_ready_ = false;  // a captured step may hold the old LM head
+    drop_graphs();  // a captured step may hold the old LM head
   }
 
   void restore_linear_weights() override {
     model_->restore_linears();
     edits_ = std::make_unique<Arena>(*backend_);
-    graph_ready_ = false;
+    drop_graphs();
   }
 
   std::vector<float> encode_images(const ImageBatch& images) override {
@@ -362,133 +370,20 @@ class EngineImpl final : public Engine {
     speculative_ = speculative;
     const int32_t zero = 0, n = int32_t(prompt.size());
     backend_->copy_from_host(step_, &zero, DType::I32);
-    if (drafter_) backend_->copy_from_host(draft_step_, &zero, DType::I32);
-    auto push_context = [&](int64_t, int64_t T) {
-      drafter_->push_context(taps_.out.rows(0, T), positions_.rows(0, T), draft_state_, draft_ws_);
-    };
-    if (speculative) rope_delta_ = prefill(prompt, prefill_chunk_, images, push_context, &taps_);
+    auto push_context = [&](int64_t, int64_t T) { spec_->push_context(T, positions_.rows(0, T)); };
+    if (speculative) rope_delta_ = prefill(prompt, prefill_chunk_, images, push_context, &spec_->taps());
     else rope_delta_ = prefill(prompt, prefill_chunk_, images, nullptr);
     // The first new token comes from the prompt's last position; decode steps continue at sequence
     // index n, rotary position n + delta (delta < 0 after images, whose positions are compressed).
     sample_into_token(ws_.normed.rows((n - 1) % prefill_chunk_, 1));
     backend_->copy_to_host(&pending_, token_);
     prompt_tokens_ = n;
-    speculative_anchor_ = pending_;
-    speculative_position_ = n;
-    emitted_.clear();
-    emitted_next_ = 0;
-    acceptance_.clear();
+    if (speculative) spec_->begin(pending_, n, rope_delta_, sampler_, max_new_);
   }
 
-  void load_drafter(const DraftConfig& dc, const std::string& dir) {
-    const int64_t B = dc.block_size, V = config_.vocab_size, H = config_.hidden_size;
-    const int64_t candidates = dc.dflash2 ? dc.selector_top_k : 1;
-    draft_weights_ = std::make_unique<Arena>(*backend_);
-    draft_state_arena_ = std::make_unique<Arena>(*backend_);
-    {
-      Checkpoint ck = Checkpoint::open(dir);
-      drafter_ = std::make_unique<DFlashDrafter>(dc, ck, *backend_, *draft_weights_);
-    }
-    draft_state_ = drafter_->make_state(*draft_state_arena_, max_context_ + B);
-    draft_ws_ = drafter_->make_workspace(*work_, std::max(prefill_chunk_, B));
-    replay_ = model_->make_replay(*work_, B);
-    taps_.layers = dc.target_layer_ids;
-    taps_.out = work_->alloc(backend_->activation_dtype(), {std::max(prefill_chunk_, B), int64_t(taps_.layers.size()) * H});
-    draft_ids_ = work_->alloc(DType::I32, {B});
-    verify_ids_ = work_->alloc(DType::I32, {B});
-    block_positions_ = work_->alloc(DType::I32, {B});
-    block_rope_ = work_->alloc(DType::I32, {B, 3});
-    draft_logits_ = work_->alloc(backend_->activation_dtype(), {B - 1, V});
-    verify_logits_ = work_->alloc(backend_->activation_dtype(), {B, V});
-    if (dc.dflash2) selector_h_ = work_->alloc(backend_->activation_dtype(), {B - 1, dc.selector_rank});
-    cand_ = work_->alloc(DType::I32, {B - 1, candidates});
-    cand_prob_ = work_->alloc(DType::F32, {B - 1, candidates});
-    accepted_ = work_->alloc(DType::I32, {B});
-    accept_count_ = work_->alloc(DType::I32, {1});
-    draft_step_ = work_->alloc(DType::I32, {1});
-    const std::vector<int32_t> masks(size_t(B), dc.mask_token_id);
-    backend_->copy_from_host(draft_ids_, masks.data(), DType::I32);
-    // DFlash drafts greedily at every temperature: q is one-hot on each proposal.
-    if (!dc.dflash2) {
-      const std::vector<float> ones(size_t(B - 1), 1.0f);
-      backend_->copy_from_host(cand_prob_, ones.data(), DType::F32);
-    }
-  }
-
-  // The drafter's proposals for the block [anchor, mask x (B-1)] at sequence index `position` into
-  // verify_ids_[1:B], with their draft distribution in cand_ / cand_prob_. Block positions are set
-  // here; rows 1.. of draft_ids_ hold the mask token throughout.
-  void draft_proposals(int32_t anchor, int64_t position, float temperature, uint64_t seed, bool use_hook) {
-    const DraftConfig& dc = drafter_->config();
-    const int64_t B = dc.block_size;
-    std::vector<int32_t> pos(static_cast<size_t>(B)), rope(static_cast<size_t>(3 * B));
-    for (int64_t i = 0; i < B; ++i) {
-      pos[i] = int32_t(position + i);
-      for (int a = 0; a < 3; ++a) rope[3 * i + a] = int32_t(position + i + rope_delta_);
-    }
-    backend_->copy_from_host(block_positions_, pos.data(), DType::I32);
-    backend_->copy_from_host(block_rope_, rope.data(), DType::I32);
-    backend_->copy_from_host(draft_ids_.rows(0, 1), &anchor, DType::I32);
-    backend_->copy_from_host(verify_ids_.rows(0, 1), &anchor, DType::I32);
-
-    drafter_->forward_block(draft_ids_, block_positions_, model_->embedding_table(), draft_state_, draft_ws_);
-    const Tensor hidden = draft_ws_.hidden.rows(1, B - 1), proposals = verify_ids_.rows(1, B - 1);
-    model_->logits(hidden, draft_logits_);
-    if (dc.output_multiplier != 1.0f || dc.final_logit_softcapping > 0)
-      backend_->scale_softcap(draft_logits_, dc.output_multiplier, dc.final_logit_softcapping);
-    if (dc.dflash2) {
-      drafter_->selector_projection(hidden, selector_h_);
-      backend_->selector_walk(draft_logits_, selector_h_, drafter_->predecessor_codebook(), drafter_->successor_codebook(),
-                              draft_ids_.rows(0, 1), temperature, draft_seed(seed), step_, proposals, cand_, cand_prob_);
-    } else {
-      backend_->sample(draft_logits_, SamplerConfig{}, draft_step_, proposals);
-    }
-    if (use_hook && hook_) {
-      std::vector<int32_t> host(size_t(B - 1));
-      backend_->copy_to_host(host.data(), proposals);
-      hook_(position, host);
-      if (int64_t(host.size()) != B - 1)
-        throw Error(ErrorCode::kInvalidArgument, "the proposal hook returned " + std::to_string(host.size()) +
-                                                     " proposals; the block needs " + std::to_string(B - 1));
-      validate_tokens(host, "the proposal hook's proposals");
-      backend_->copy_from_host(proposals, host.data(), DType::I32);
-      if (dc.dflash2) {  // one-hot q on the hook's tokens
-        const int64_t K = cand_.dim(1);
-        std::vector<int32_t> cand(size_t((B - 1) * K), -1);
-        std::vector<float> prob(size_t((B - 1) * K), 0.0f);
-        for (int64_t t = 0; t < B - 1; ++t) {
-          cand[t * K] = host[t];
-          prob[t * K] = 1.0f;
-        }
-        backend_->copy_from_host(cand_, cand.data(), DType::I32);
-        backend_->copy_from_host(cand_prob_, prob.data(), DType::F32);
-      }
-    }
-    if (!dc.dflash2) backend_->copy(cand_, proposals.view({B - 1, 1}));
-  }
-
-  // One speculative step: draft a block after the anchor, verify it with one target forward of B
-  // tokens, accept, commit the accepted prefix to the target's states and the drafter's context.
-  // The emitted tokens (accepted drafts, then the correction or bonus) go to emitted_.
-  void speculative_step() {
-    const int64_t B = drafter_->config().block_size;
-    draft_proposals(speculative_anchor_, speculative_position_, sampler_.temperature, sampler_.seed, /*use_hook=*/true);
-    model_->verify(verify_ids_, block_positions_, block_rope_, state_, ws_, replay_, &taps_);
-    model_->logits(ws_.normed.rows(0, B), verify_logits_);
-    backend_->speculative_accept(verify_logits_, verify_ids_.rows(1, B - 1), cand_, cand_prob_, sampler_, step_, accepted_,
-                                 accept_count_);
-    model_->commit(state_, replay_, accept_count_);
-    // Every row's context goes in; rows past the accepted prefix are rewritten by the next block.
-    drafter_->push_context(taps_.out.rows(0, B), block_positions_, draft_state_, draft_ws_);
-    int32_t count = 0;
-    backend_->copy_to_host(&count, accept_count_);
-    emitted_.resize(size_t(B));
-    backend_->copy_to_host(emitted_.data(), accepted_);
-    emitted_.resize(size_t(count));
-    emitted_next_ = 0;
-    acceptance_.push_back(0);
-    speculative_position_ += count;
-    speculative_anchor_ = emitted_.back();
+  void drop_graphs() {
+    graph_ready_ = false;
+    if (spec_) spec_->drop_graphs();
   }
 
   // logits of one hidden row -> token_ (on the device; nothing is read back here).
@@ -519,11 +414,11 @@ class EngineImpl final : public Engine {
     if (!graph_ready_ || !same_sampler) {
       backend_->begin_capture();
       decode_ops();
-      backend_->end_capture();
+      backend_->end_capture(kDecodeGraph);
       graph_ready_ = true;
       graph_sampler_ = sampler_;
     }
-    backend_->replay();
+    backend_->replay(kDecodeGraph);
   }
 
   ModelConfig config_;
@@ -554,30 +449,8 @@ class EngineImpl final : public Engine {
   double prefill_seconds_ = 0;
   int64_t rope_delta_ = 0;  // rotary position - sequence index after the prompt
 
-  // Speculative decoding (with a drafter)
-  std::unique_ptr<Arena> draft_weights_, draft_state_arena_;
-  std::unique_ptr<DFlashDrafter> drafter_;
-  DraftState draft_state_;
-  DraftWorkspace draft_ws_;
-  HiddenTaps taps_;                  // the target's taps of up to max(prefill chunk, B) tokens
-  std::vector<GdnReplay> replay_;    // per target layer: the last verify's DeltaNet records
-  Tensor draft_ids_;                 // I32 [B]: the anchor, then the mask token
-  Tensor verify_ids_;                // I32 [B]: the anchor, then the proposals
-  Tensor block_positions_;           // I32 [B]: the block's sequence indices
-  Tensor block_rope_;                // I32 [B, 3]: its rotary positions in the target
-  Tensor draft_logits_;              // [B-1, V]
-  Tensor verify_logits_;             // [B, V]
-  Tensor selector_h_;                // DFlash2: [B-1, rank]
-  Tensor cand_, cand_prob_;          // the draft distribution: I32 / F32 [B-1, candidates]
-  Tensor accepted_, accept_count_;   // I32 [B]: the emitted tokens; I32 [1]: how many
-  Tensor draft_step_;                // I32 [1]: the counter of the drafter's argmax (draws nothing)
-  ProposalHook hook_;
-  bool speculative_ = false;         // the current sequence drafts and verifies
-  int32_t speculative_anchor_ = 0;   // the last emitted token, not yet run through the target
-  int64_t speculative_position_ = 0; // its sequence index
-  std::vector<int32_t> emitted_;     // the last verify step's tokens
-  size_t emitted_next_ = 0;          // the next of them to return
-  std::vector<int64_t> acceptance_;  // tokens returned per verify step
+  std::unique_ptr<SpeculativeDecoder> spec_;  // with a drafter
+  bool speculative_ = false;                  // the current sequence drafts and verifies
 };
 
 }  // namespace

@@ -47,9 +47,11 @@ class LinearObserver final : public Backend {
   void synchronize() override { inner_->synchronize(); }
 
   bool queues_work() const override { return inner_->queues_work(); }
-  void post_i32(const Tensor& value, const Tensor& tag) override { inner_->post_i32(value, tag); }
-  int32_t wait_post_i32(int32_t tag) override { return inner_->wait_post_i32(tag); }
+  void post_i32(const Tensor& values, const Tensor& tag) override { inner_->post_i32(values, tag); }
+  std::vector<int32_t> wait_post_i32s(int32_t tag) override { return inner_->wait_post_i32s(tag); }
   void clear_posts() override { inner_->clear_posts(); }
+  void mark_time(int i) override { inner_->mark_time(i); }
+  double seconds_between_marks(int i, int j) override { return inner_->seconds_between_marks(i, j); }
 
   void embedding(const Tensor& table, const Tensor& ids, const Tensor& out) override { inner_->embedding(table, ids, out); }
   void linear(const Tensor& x, const LinearWeight& w, const Tensor& out) override;
@@ -109,6 +111,11 @@ class LinearObserver final : public Backend {
   }
   void increment(const Tensor& counter, int32_t by) override { inner_->increment(counter, by); }
   void copy(const Tensor& dst, const Tensor& src) override { inner_->copy(dst, src); }
+  void speculative_advance(const Tensor& count, const Tensor& tokens, const Tensor& positions,
+                           const Tensor& rope_positions, const Tensor& draft_ids, const Tensor& verify_ids,
+                           const Tensor& step) override {
+    inner_->speculative_advance(count, tokens, positions, rope_positions, draft_ids, verify_ids, step);
+  }
 
  private:
   struct Accumulator {

@@ -12,9 +12,11 @@
 // - Nothing that changes between decode steps is passed by value: positions and the sampler's step
 //   counter are device tensors, so a captured CUDA graph can replay a decode step unchanged.
 #pragma once
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "core/tensor.h"
 
@@ -123,27 +125,32 @@ class Backend {
   virtual void fill_zero(const Tensor& t) = 0;
   virtual void synchronize() = 0;
 
-  // ---- reading sampled tokens without a copy between steps: post_i32(value, tag) queues a write of
-  // the I32 scalar value, stamped with the I32 scalar tag >= 0 (both on the device), into slot
-  // tag % kMailboxSlots of a host mailbox; it may be captured into a graph, so a decode step reports
-  // its token itself. wait_post_i32(tag) waits for that write and returns the value; a tag that is not
-  // in the mailbox once the queue has drained (never posted, or overwritten) is an error, not a hang.
-  // At most kMailboxSlots posts may be waited for at once. clear_posts() drains the queue and empties
-  // the mailbox, so that tags (a generation's positions) may repeat. A synchronous backend
+  // ---- reading sampled tokens without a copy between steps: post_i32(values, tag) queues a write of
+  // the I32 vector values (n <= kMaxPostValues elements, contiguous), stamped with the I32 scalar tag
+  // >= 0 (both on the device), into slot tag % kMailboxSlots of a host mailbox; it may be captured
+  // into a graph, so a decode step reports its token (a speculative step its count and tokens) itself.
+  // wait_post_i32s(tag) waits for that write and returns the values (wait_post_i32 the first); a tag
+  // that is not in the mailbox once the queue has drained (never posted, or overwritten) is an error,
+  // not a hang. At most kMailboxSlots posts may be waited for at once. clear_posts() drains the queue
+  // and empties the mailbox, so that tags (a generation's positions) may repeat. A synchronous backend
   // (queues_work() false) copies at once. ----
   static constexpr int kMailboxSlots = 8;
+  static constexpr int kMaxPostValues = 64;
   virtual bool queues_work() const { return false; }
-  virtual void post_i32(const Tensor& value, const Tensor& tag) {
+  virtual void post_i32(const Tensor& values, const Tensor& tag) {
+    check_post(values, tag);
     Post p;
-    copy_to_host(&p.value, value);
+    p.count = int32_t(values.numel());
+    copy_to_host(p.values, values);
     copy_to_host(&p.tag, tag);
     if (p.tag >= 0) mailbox_[p.tag % kMailboxSlots] = p;
   }
-  virtual int32_t wait_post_i32(int32_t tag) {
+  virtual std::vector<int32_t> wait_post_i32s(int32_t tag) {
     const Post& p = mailbox_[unsigned(tag) % kMailboxSlots];
     if (tag < 0 || p.tag != tag) throw missing_post(tag);
-    return p.value;
+    return std::vector<int32_t>(p.values, p.values + p.count);
   }
+  int32_t wait_post_i32(int32_t tag) { return wait_post_i32s(tag).at(0); }
   virtual void clear_posts() {
     for (Post& p : mailbox_) p = Post{};
   }
@@ -389,21 +396,58 @@ class Backend {
     throw speculative_unsupported("speculative_accept");
   }
 
-  // ---- step graphs: the ops issued between begin_capture() and end_capture() are recorded (not
-  // run) and replay() runs them all with one launch. Backends without graphs return false. ----
+  // The bookkeeping that ends a speculative step, after speculative_accept wrote count (I32 [1]) and
+  // tokens (I32 [>= count[0]]): the next block starts count[0] positions later and its anchor is the
+  // last emitted token. positions (I32 [B]) and rope_positions (I32 [B, 3]) += count[0]; row 0 of
+  // draft_ids and of verify_ids (I32 [B] each) = tokens[count[0] - 1]; step (I32 [1]) += 1 (the
+  // index that tags the step's post). count[0] must be in 1..B; all contiguous.
+  virtual void speculative_advance(const Tensor& count, const Tensor& tokens, const Tensor& positions,
+                                   const Tensor& rope_positions, const Tensor& draft_ids, const Tensor& verify_ids,
+                                   const Tensor& step) {
+    throw speculative_unsupported("speculative_advance");
+  }
+
+  // ---- step graphs: the ops issued between begin_capture() and end_capture(slot) are recorded (not
+  // run) and replay(slot) runs them all with one launch. A backend keeps one graph per slot (0 ..
+  // kGraphSlots - 1; an engine keeps its decode step in one, its speculative step in another).
+  // Backends without graphs return false. ----
+  static constexpr int kGraphSlots = 4;
   virtual bool supports_graphs() const { return false; }
   virtual void begin_capture() {}
-  virtual void end_capture() {}      // keeps the graph, replacing the previous one
-  virtual void replay() {}
-  virtual int64_t graph_kernels() const { return 0; }  // kernel nodes in the kept graph
+  virtual void end_capture(int slot) {}  // keeps the graph in `slot`, replacing the one there
+  virtual void replay(int slot) {}
+  virtual int64_t graph_kernels(int slot) const { return 0; }  // kernel nodes in the graph of `slot`
+
+  // ---- timing (benchmarks): mark_time(i) records the moment the work queued so far completes, in mark
+  // i (0 .. kTimeMarks - 1); seconds_between_marks(i, j) waits for both and returns the time from i
+  // to j. This default, for backends that run ops as they are issued, reads the host clock. ----
+  static constexpr int kTimeMarks = 8;
+  virtual void mark_time(int i) { time_marks_[check_mark(i)] = std::chrono::steady_clock::now(); }
+  virtual double seconds_between_marks(int i, int j) {
+    return std::chrono::duration<double>(time_marks_[check_mark(j)] - time_marks_[check_mark(i)]).count();
+  }
 
  protected:
   struct Post {
-    int32_t tag = -1, value = 0;  // written value first, tag last
+    int32_t tag = -1, count = 0;  // written values first, tag last
+    int32_t values[kMaxPostValues] = {};
   };
   static Error missing_post(int32_t tag) {
     return Error(ErrorCode::kInternal, "wait_post_i32: no post tagged " + std::to_string(tag) +
                                            " is in the mailbox (never posted, or overwritten by a later one)");
+  }
+  static void check_post(const Tensor& values, const Tensor& tag) {
+    if (values.dtype != DType::I32 || tag.dtype != DType::I32 || tag.numel() != 1 || values.numel() < 1 ||
+        values.numel() > kMaxPostValues || !values.contiguous())
+      throw Error(ErrorCode::kInternal, "post_i32: expected 1.." + std::to_string(kMaxPostValues) +
+                                            " contiguous I32 values and one I32 tag, got " + values.shape_str() + " " +
+                                            dtype_name(values.dtype) + " and " + tag.shape_str() + " " +
+                                            dtype_name(tag.dtype));
+  }
+  static int check_mark(int i) {
+    if (i < 0 || i >= kTimeMarks)
+      throw Error(ErrorCode::kInternal, "time mark " + std::to_string(i) + " outside 0.." + std::to_string(kTimeMarks - 1));
+    return i;
   }
   Error speculative_unsupported(const char* op) const {
     return Error(ErrorCode::kInvalidArgument, std::string(op) + ": speculative decoding is not yet implemented on the " +
@@ -412,6 +456,7 @@ class Backend {
 
  private:
   Post mailbox_[kMailboxSlots];
+  std::chrono::steady_clock::time_point time_marks_[kTimeMarks];
 };
 
 std::unique_ptr<Backend> make_cpu_backend(int num_threads);

@@ -33,6 +33,15 @@ struct EngineOptions {
   // statistics of the decoder linears' inputs (Engine::observe_linear_inputs). Such an engine replays
   // no CUDA graphs; off (the default), nothing is in the way of the ops.
   bool linear_observer = false;
+  // ---- for benchmarks only (both need a drafter) ----
+  // tau > 0: every speculative step emits exactly tau tokens (at most the drafter's block size): the
+  // first tau - 1 drafts as if the model had accepted them, then the model's own token after them.
+  // NOT lossless: the output is no longer what the model generates; it times steps at a chosen
+  // acceptance length (random drafters accept next to nothing). Applied on the device, inside the step.
+  int64_t benchmark_forced_acceptance = 0;
+  // Time each speculative step's phases (draft, verify, commit; EngineStats) with device events
+  // between them: each phase is replayed as a graph of its own and the host waits for every step.
+  bool benchmark_phase_timing = false;
 };
 
 // Images as the image processor emits them (ocria_rt.preprocess_image, or transformers'
@@ -106,6 +115,18 @@ struct EngineStats {
   int64_t draft_block_size = 0;          // the drafter's block B (0: no drafter)
   int64_t drafter_weight_bytes = 0;      // its weights (it shares the target's embedding and LM head)
   int64_t drafter_state_bytes = 0;       // its context K/V cache
+  // Known once a speculative step has been captured (0 before): host launches per step (1; 3 with
+  // benchmark_phase_timing) and the kernels they run.
+  int64_t launches_per_speculative_step = 0;
+  int64_t kernels_per_speculative_step = 0;
+  // benchmark_phase_timing: the current or last generation's speculative steps timed, and their device
+  // time by phase, summed: draft (the drafter's block, its logits, the proposals), verify (the
+  // target's forward of the block, its logits, the acceptance), commit (the DeltaNet states, the
+  // drafter's context, the post of the tokens and the advance to the next block).
+  int64_t timed_speculative_steps = 0;
+  double speculative_draft_seconds = 0;
+  double speculative_verify_seconds = 0;
+  double speculative_commit_seconds = 0;
 };
 
 // Called with each speculative step's proposals (the B - 1 drafted tokens) and the sequence index of

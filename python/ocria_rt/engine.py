@@ -72,10 +72,18 @@ class Engine:
         max_image_patches: int = 16384,
         drafter: str | os.PathLike[str] | bool | None = None,
         linear_observer: bool = False,
+        benchmark_forced_acceptance: int = 0,
+        benchmark_phase_timing: bool = False,
     ) -> None:
         """linear_observer: for calibration (ocria_rt.quantize), pass the ops through an observer so that
         observe_linear_inputs() can collect statistics of the decoder's projection inputs (such an engine
-        replays no CUDA graphs)."""
+        replays no CUDA graphs).
+
+        For benchmarks only (both need a drafter): benchmark_forced_acceptance=tau makes every
+        speculative step emit exactly tau tokens, the first tau - 1 drafts as if accepted and then the
+        model's own token after them. NOT lossless (the output is no longer the model's): it times steps
+        at a chosen acceptance length. benchmark_phase_timing times each step's draft, verify and commit
+        phases with device events (stats(): speculative_*_seconds, timed_speculative_steps)."""
         from . import default_model_dir
 
         self.model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
@@ -95,6 +103,8 @@ class Engine:
             max_image_patches=max_image_patches,
             drafter="" if drafter is None else str(drafter),
             linear_observer=linear_observer,
+            benchmark_forced_acceptance=benchmark_forced_acceptance,
+            benchmark_phase_timing=benchmark_phase_timing,
         )
         self.drafter_dir = Path(drafter) if drafter is not None else None
         self.device = device
@@ -113,7 +123,9 @@ class Engine:
     def stats(self) -> dict[str, object]:
         """Device, backend and memory: weight_bytes (weight_bytes_by_format splits them into "dense",
         "fp8" and "nvfp4", a quantized linear's scales counted with it), state_bytes, workspace_bytes;
-        quantization ("none", "modelopt" or "compressed-tensors"); launches and kernels per decode step."""
+        quantization ("none", "modelopt" or "compressed-tensors"); launches and kernels per decode step and
+        per speculative step (once captured); with a drafter its block size and bytes, and the phase times
+        of benchmark_phase_timing."""
         return dict(self._core.stats())
 
     # ---- tokens <-> text ----

@@ -55,7 +55,7 @@ class CpuBackend final : public Backend {
   }
   void copy(const Tensor& dst, const Tensor& src) override;
 
-  // speculative decoding (speculative.cpp: verification; dflash.cpp: the drafter)
+  // speculative decoding (gdn.cpp, sampling.cpp: verification; dflash.cpp: the drafter)
   void gdn_verify(const Tensor& proj, const Tensor& conv_weight, const Tensor& conv_state, const Tensor& A_log,
                   const Tensor& dt_bias, const Tensor& norm_weight, const Tensor& state, const GdnParams& p,
                   const Tensor& conv_out, const Tensor& o, const Tensor& out, const GdnReplay& replay) override;
@@ -74,6 +74,9 @@ class CpuBackend final : public Backend {
   void selector_walk(const Tensor& logits, const Tensor& h, const Tensor& pred, const Tensor& succ,
                      const Tensor& anchor, float temperature, uint64_t seed, const Tensor& step, const Tensor& tokens,
                      const Tensor& cand, const Tensor& cand_prob) override;
+  void speculative_advance(const Tensor& count, const Tensor& tokens, const Tensor& positions,
+                           const Tensor& rope_positions, const Tensor& draft_ids, const Tensor& verify_ids,
+                           const Tensor& step) override;  // speculative_step.cpp
 
  private:
   int threads_;

@@ -140,6 +140,7 @@ CudaBackend::CudaBackend(int device_index) : device_(device_index) {
       check_cuda(cudaMallocHost(&staging_[i], kStagingBytes), "cudaMallocHost (staging buffer)");
       check_cuda(cudaEventCreateWithFlags(&staging_done_[i], cudaEventDisableTiming), "cudaEventCreate");
     }
+    for (cudaEvent_t& e : time_marks_) check_cuda(cudaEventCreate(&e), "cudaEventCreate (time mark)");
     check_cuda(cudaHostAlloc(&mailbox_host_, kMailboxSlots * sizeof(Post), cudaHostAllocMapped), "cudaHostAlloc (mailbox)");
     check_cuda(cudaHostGetDevicePointer(&mailbox_device_, mailbox_host_, 0), "cudaHostGetDevicePointer (mailbox)");
     for (int i = 0; i < kMailboxSlots; ++i) mailbox_host_[i] = Post{};
@@ -178,8 +179,14 @@ void CudaBackend::free_resources() noexcept {
     capturing_ = false;
   }
   if (stream_) cudaStreamSynchronize(stream_);
-  if (graph_exec_) cudaGraphExecDestroy(graph_exec_);
-  graph_exec_ = nullptr;
+  for (cudaGraphExec_t& g : graph_exec_) {
+    if (g) cudaGraphExecDestroy(g);
+    g = nullptr;
+  }
+  for (cudaEvent_t& e : time_marks_) {
+    if (e) cudaEventDestroy(e);
+    e = nullptr;
+  }
   if (workspace_) cudaFree(workspace_);
   if (splitk_scratch_) cudaFree(splitk_scratch_);
   splitk_scratch_ = nullptr;
@@ -348,31 +355,32 @@ void CudaBackend::fill_zero(const Tensor& t) {
 }
 
 namespace {
-// One post: the value, then (once the value is visible to the host) the tag that announces it.
-__global__ void post_kernel(const int32_t* value, const int32_t* tag, int32_t* mailbox) {
+// One post: the values, then (once they are visible to the host) the tag that announces them. One
+// thread: a post is a few dozen words.
+__global__ void post_kernel(const int32_t* values, int32_t count, const int32_t* tag, int32_t* mailbox) {
   cuda::pdl_launch_dependents();
   cuda::pdl_wait();
   const int32_t t = *tag;
   if (t < 0) return;
-  volatile int32_t* slot = mailbox + 2 * (t % Backend::kMailboxSlots);  // {tag, value}
-  slot[1] = *value;
+  volatile int32_t* slot = mailbox + (2 + Backend::kMaxPostValues) * (t % Backend::kMailboxSlots);  // {tag, count, values}
+  for (int32_t i = 0; i < count; ++i) slot[2 + i] = values[i];
+  slot[1] = count;
   __threadfence_system();
   slot[0] = t;
 }
 }  // namespace
 
-void CudaBackend::post_i32(const Tensor& value, const Tensor& tag) {
-  cuda::require_tensor(value, DType::I32, "post_i32", "value");
+void CudaBackend::post_i32(const Tensor& values, const Tensor& tag) {
+  cuda::require_tensor(values, DType::I32, "post_i32", "values");
   cuda::require_tensor(tag, DType::I32, "post_i32", "tag");
-  OCRIA_RT_REQUIRE(value.numel() == 1 && tag.numel() == 1, "post_i32",
-                   "expected one I32 value and one I32 tag, got " + value.shape_str() + " and " + tag.shape_str());
+  check_post(values, tag);
   activate();
-  static_assert(sizeof(Post) == 2 * sizeof(int32_t), "post_kernel writes a Post as {tag, value}");
-  cuda::launch_pdl(launch_ctx(), "post_kernel", post_kernel, 1, 1, 0, value.ptr<int32_t>(), tag.ptr<int32_t>(),
-                   reinterpret_cast<int32_t*>(mailbox_device_));
+  static_assert(sizeof(Post) == (2 + kMaxPostValues) * sizeof(int32_t), "post_kernel writes a Post as {tag, count, values}");
+  cuda::launch_pdl(launch_ctx(), "post_kernel", post_kernel, 1, 1, 0, values.ptr<int32_t>(), int32_t(values.numel()),
+                   tag.ptr<int32_t>(), reinterpret_cast<int32_t*>(mailbox_device_));
 }
 
-int32_t CudaBackend::wait_post_i32(int32_t tag) {
+std::vector<int32_t> CudaBackend::wait_post_i32s(int32_t tag) {
   if (tag < 0) throw missing_post(tag);
   activate();
   const volatile Post* slot = mailbox_host_ + tag % kMailboxSlots;
@@ -380,8 +388,10 @@ int32_t CudaBackend::wait_post_i32(int32_t tag) {
   // kernel is reported and a tag that will never come is an error rather than a hang.
   for (int polls = 1;; ++polls) {
     if (slot->tag == tag) {
-      std::atomic_thread_fence(std::memory_order_acquire);  // the value was written before the tag
-      return slot->value;
+      std::atomic_thread_fence(std::memory_order_acquire);  // the values were written before the tag
+      std::vector<int32_t> values(size_t(slot->count));
+      for (size_t i = 0; i < values.size(); ++i) values[i] = slot->values[i];
+      return values;
     }
     if (polls % 64 == 0) {
       const cudaError_t busy = cudaStreamQuery(stream_);
@@ -411,12 +421,17 @@ void CudaBackend::begin_capture() {
   capturing_ = true;
 }
 
-void CudaBackend::end_capture() {
+void CudaBackend::end_capture(int slot) {
   OCRIA_RT_REQUIRE(capturing_, "end_capture", "no capture in progress");
   activate();
   capturing_ = false;
   cudaGraph_t graph = nullptr;
+  // The capture ends before the slot is checked, so that a bad slot leaves the stream usable.
   check_cuda(cudaStreamEndCapture(stream_, &graph), "cudaStreamEndCapture (an op failed or synchronised during capture?)");
+  if (slot < 0 || slot >= kGraphSlots) {
+    cudaGraphDestroy(graph);
+    cuda::require_failed("end_capture", "graph slot " + std::to_string(slot) + " outside 0.." + std::to_string(kGraphSlots - 1));
+  }
   cudaGraphExec_t exec = nullptr;
   size_t num_nodes = 0;
   cudaError_t err = cudaGraphGetNodes(graph, nullptr, &num_nodes);
@@ -433,15 +448,35 @@ void CudaBackend::end_capture() {
   if (err == cudaSuccess) err = cudaGraphInstantiate(&exec, graph, 0);
   cudaGraphDestroy(graph);
   check_cuda(err, "cudaGraphInstantiate");
-  if (graph_exec_) cudaGraphExecDestroy(graph_exec_);
-  graph_exec_ = exec;
-  graph_kernels_ = kernels;
+  if (graph_exec_[slot]) cudaGraphExecDestroy(graph_exec_[slot]);
+  graph_exec_[slot] = exec;
+  graph_kernels_[slot] = kernels;
 }
 
-void CudaBackend::replay() {
-  OCRIA_RT_REQUIRE(graph_exec_ != nullptr, "replay", "no graph has been captured");
+void CudaBackend::replay(int slot) {
+  OCRIA_RT_REQUIRE(slot >= 0 && slot < kGraphSlots && graph_exec_[slot] != nullptr, "replay",
+                   "no graph has been captured in slot " + std::to_string(slot));
   activate();
-  check_cuda(cudaGraphLaunch(graph_exec_, stream_), "cudaGraphLaunch");
+  check_cuda(cudaGraphLaunch(graph_exec_[slot], stream_), "cudaGraphLaunch");
+}
+
+int64_t CudaBackend::graph_kernels(int slot) const {
+  return slot >= 0 && slot < kGraphSlots ? graph_kernels_[slot] : 0;
+}
+
+// ---- timing marks ----
+
+void CudaBackend::mark_time(int i) {
+  activate();
+  check_cuda(cudaEventRecord(time_marks_[check_mark(i)], stream_), "cudaEventRecord (mark_time)");
+}
+
+double CudaBackend::seconds_between_marks(int i, int j) {
+  activate();
+  check_cuda(cudaEventSynchronize(time_marks_[check_mark(j)]), "cudaEventSynchronize (seconds_between_marks)");
+  float ms = 0;
+  check_cuda(cudaEventElapsedTime(&ms, time_marks_[check_mark(i)], time_marks_[j]), "cudaEventElapsedTime");
+  return double(ms) * 1e-3;
 }
 
 namespace {

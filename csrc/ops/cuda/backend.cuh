@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "ops/ops.h"
 
@@ -301,8 +302,8 @@ class CudaBackend final : public Backend {
   void fill_zero(const Tensor& t) override;
   void synchronize() override;
   bool queues_work() const override { return true; }
-  void post_i32(const Tensor& value, const Tensor& tag) override;
-  int32_t wait_post_i32(int32_t tag) override;
+  void post_i32(const Tensor& values, const Tensor& tag) override;
+  std::vector<int32_t> wait_post_i32s(int32_t tag) override;
   void clear_posts() override;
 
   void embedding(const Tensor& table, const Tensor& ids, const Tensor& out) override;
@@ -343,14 +344,20 @@ class CudaBackend final : public Backend {
                         float rope_theta, const Tensor& out) override;
   void increment(const Tensor& counter, int32_t by) override;
   void copy(const Tensor& dst, const Tensor& src) override;
+  void speculative_advance(const Tensor& count, const Tensor& tokens, const Tensor& positions,
+                           const Tensor& rope_positions, const Tensor& draft_ids, const Tensor& verify_ids,
+                           const Tensor& step) override;
 
-  // CUDA graphs: begin_capture() starts capturing stream() (thread-local mode), end_capture()
-  // instantiates the graph (replacing the previous one), replay() launches it on stream().
+  // CUDA graphs: begin_capture() starts capturing stream() (thread-local mode), end_capture(slot)
+  // instantiates the graph into the slot (replacing the one there), replay(slot) launches it on stream().
   bool supports_graphs() const override { return true; }
   void begin_capture() override;
-  void end_capture() override;
-  void replay() override;
-  int64_t graph_kernels() const override { return graph_kernels_; }
+  void end_capture(int slot) override;
+  void replay(int slot) override;
+  int64_t graph_kernels(int slot) const override;
+  // Timing marks are CUDA events recorded on stream().
+  void mark_time(int i) override;
+  double seconds_between_marks(int i, int j) override;
 
  private:
   // Makes device_ current on the calling thread (cheap when it already is).
@@ -414,8 +421,9 @@ class CudaBackend final : public Backend {
   Post* mailbox_host_ = nullptr;
   Post* mailbox_device_ = nullptr;
   bool capturing_ = false;
-  cudaGraphExec_t graph_exec_ = nullptr;
-  int64_t graph_kernels_ = 0;
+  cudaGraphExec_t graph_exec_[kGraphSlots] = {};
+  int64_t graph_kernels_[kGraphSlots] = {};
+  cudaEvent_t time_marks_[kTimeMarks] = {};
 };
 
 }  // namespace ocria_rt
