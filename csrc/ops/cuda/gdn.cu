@@ -15,6 +15,8 @@
 //
 // Fused decode kernel (gdn_decode, up to 16 tokens): see the comment before it.
 //
+// Speculative verification (gdn_verify, gdn_commit: ReplaySSM): see the comment before their kernels.
+//
 // Chunked form (gdn_chunked from 64 tokens, BF16, dk 64 / 128): see the comment before its kernels.
 #include "ops/cuda/backend.cuh"
 #include "ops/cuda/conv.cuh"
@@ -582,6 +584,7 @@ __global__ void __launch_bounds__(kCommitThreads)
       for (int b = 0; b < 4; ++b) S[a][b] = j0 + b < dv ? Sp[int64_t(a) * dv + b] : 0.0f;
     }
   }
+#pragma unroll 4  // the loads of several tokens in flight together
   for (int t = 0; t < n; ++t) {
     const float decay = __expf(rec.g[int64_t(t) * rec.ld_g + h]);
     const float* kt = rec.k + int64_t(t) * rec.ld_k + int64_t(hk) * dk + i0;
