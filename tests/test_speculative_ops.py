@@ -136,3 +136,53 @@ def test_speculative_accept_is_lossless(cpu, top_k, top_p):
             second[out[1]] += 1
     assert chi2_pvalue(first, p[0]) > 1e-3
     assert chi2_pvalue(second, p[1]) > 1e-3
+
+
+def test_gdn_verify_commit_replay(cpu):
+    """The op runner's captured step (states restored, verify, commit of a device-side keep) run with
+    several keeps in turn: each leaves gdn_decode's states of that prefix, and verify's outputs."""
+    rng = np.random.default_rng(21)
+    hk, hv, dk, dv, T = 2, 4, 16, 24, 7
+    C, vdim = 2 * hk * dk + hv * dv, hv * dv
+    proj = randn(rng, T, C + vdim + 2 * hv)
+    conv_w, conv_state = randn(rng, C, 4, scale=0.3), randn(rng, C, 3)
+    A_log, dt_bias = np.log(rng.uniform(0.05, 8, hv)).astype(np.float32), randn(rng, hv, scale=0.1)
+    norm_w, state = 1 + randn(rng, dv, scale=0.1), randn(rng, hv, dk, dv, scale=0.2)
+    args = (conv_w, conv_state, A_log, dt_bias, norm_w, state, hk, hv, dk, dv)
+    keeps = [T, 1, 4, 2, T]
+    outs, conv_states, states = cpu.gdn_verify_commit_replay(proj, *args, keeps)
+    full_out, _, _ = cpu.gdn_decode(proj, *args, 1, 0, False)
+    for i, keep in enumerate(keeps):
+        _, want_cs, want_st = cpu.gdn_decode(proj[:keep], *args, 1, 0, False)
+        assert np.array_equal(outs[i], full_out)
+        assert np.array_equal(conv_states[i], want_cs) and np.array_equal(states[i], want_st), keep
+
+
+def test_selector_walk_steps(cpu):
+    """Repeated steps of selector_walk with the counter advanced on the device draw as single calls at
+    the advanced counters."""
+    rng = np.random.default_rng(12)
+    R, V, r, K = 5, 70, 8, 4
+    logits, h = randn(rng, R, V, scale=2), randn(rng, R, r)
+    pred, succ = randn(rng, V, r), randn(rng, V, r)
+    tokens, cand, prob = cpu.selector_walk_steps(logits, h, pred, succ, 3, K, 0.8, 9, 40, 3)
+    for i in range(3):
+        want = cpu.selector_walk(logits, h, pred, succ, 3, K, 0.8, 9, 40 + i * R)
+        assert np.array_equal(tokens[i], want[0]) and np.array_equal(cand[i], want[1])
+        assert np.array_equal(prob[i], want[2])
+
+
+def test_speculative_accept_steps(cpu):
+    """Repeated steps of speculative_accept (step advanced by B on the device each time) emit what
+    single calls at the advanced counters emit."""
+    rng = np.random.default_rng(13)
+    B, V = 4, 9
+    logits = randn(rng, B, V, scale=1.5)
+    draft = np.array([2, 5, 1], np.int32)
+    cand = np.array([[2, 0], [5, 4], [1, -1]], np.int32)
+    q = np.array([[0.7, 0.3], [0.5, 0.5], [1.0, 0.0]], np.float32)
+    emitted, counts, step = cpu.speculative_accept_steps(logits, draft, cand, q, 1.0, 0, 1.0, 5, 100, 6)
+    assert step == 100 + 6 * B
+    for i in range(6):
+        out, n, _ = cpu.speculative_accept(logits, draft, cand, q, 1.0, 0, 1.0, 5, 100 + i * B)
+        assert counts[i] == n and list(emitted[i][:n]) == list(out) and all(emitted[i][n:] == -1)

@@ -119,6 +119,49 @@ class KernelBench {
         iters, reps);
   }
 
+  // Microseconds per call of a speculative block's DeltaNet work on one layer: part "verify"
+  // (gdn_verify of T tokens: outputs and replay records, no state written), "commit" (gdn_commit of
+  // `keep` of them, keep a device tensor) or "both" (verify then commit, as a step runs them).
+  std::vector<double> gdn_verify_commit(int64_t T, int64_t hk, int64_t hv, int64_t dk, int64_t dv, int64_t keep,
+                                        const std::string& part, int iters, int reps) {
+    if (part != "verify" && part != "commit" && part != "both")
+      throw Error(ErrorCode::kInvalidArgument, "KernelBench.gdn_verify_commit: part must be verify, commit or both");
+    if (keep < 1 || keep > T)
+      throw Error(ErrorCode::kInvalidArgument, "KernelBench.gdn_verify_commit: keep must be in 1..T");
+    Scope scope(this);
+    GdnParams p{hk, hv, dk, dv, 4, 1e-6f};
+    const int64_t C = p.conv_dim(), vdim = hv * dv;
+    const DType act = be_->activation_dtype();
+    const int64_t copies = copies_for((hv * dk * dv + C * 3) * 4);
+    std::vector<Tensor> states(copies), conv_states(copies);
+    std::vector<GdnReplay> replays(copies);
+    for (int64_t c = 0; c < copies; ++c) {
+      states[c] = random({hv, dk, dv}, DType::F32, 0.05f);
+      conv_states[c] = random({C, 3}, DType::F32, 1.0f);
+      replays[c] = {alloc({T, C}, act), alloc({T, hk * dk}, DType::F32), alloc({T, hv}, DType::F32),
+                    alloc({T, vdim}, DType::F32)};
+    }
+    Tensor proj = random({T, C + vdim + 2 * hv}, act, 1.0f), conv_w = random({C, 4}, DType::F32, 0.3f);
+    Tensor a_log = random({hv}, DType::F32, 0.5f), dt_bias = random({hv}, DType::F32, 0.5f);
+    Tensor norm_w = random({dv}, DType::F32, 1.0f);
+    Tensor conv_out = alloc({T, C}, act), o = alloc({T, vdim}, act), out = alloc({T, vdim}, act);
+    Tensor keep_t = alloc({1}, DType::I32);
+    const int32_t k32 = int32_t(keep);
+    be_->copy_from_host(keep_t, &k32, DType::I32);
+    auto verify = [&](int64_t c) {
+      be_->gdn_verify(proj, conv_w, conv_states[c], a_log, dt_bias, norm_w, states[c], p, conv_out, o, out, replays[c]);
+    };
+    if (part == "commit")
+      for (int64_t c = 0; c < copies; ++c) verify(c);  // records to commit
+    return time(
+        [&](int i) {
+          const int64_t c = i % copies;
+          if (part != "commit") verify(c);
+          if (part != "verify") be_->gdn_commit(replays[c], keep_t, p, conv_states[c], states[c]);
+        },
+        iters, reps);
+  }
+
   // Microseconds per call of attention for T new tokens at the end of a context of `context` rows.
   std::vector<double> attention(int64_t T, int64_t context, int64_t hq, int64_t hkv, int64_t hd, int iters, int reps) {
     Scope scope(this);
@@ -334,6 +377,9 @@ void register_kernel_bench(py::module_& m) {
            py::arg("chunked") = false, py::arg("iters") = 50, py::arg("reps") = 10)
       .def("gdn_decode", &KernelBench::gdn_decode, py::arg("T"), py::arg("hk"), py::arg("hv"), py::arg("dk"),
            py::arg("dv"), py::arg("fused") = true, py::arg("iters") = 50, py::arg("reps") = 10)
+      .def("gdn_verify_commit", &KernelBench::gdn_verify_commit, py::arg("T"), py::arg("hk"), py::arg("hv"),
+           py::arg("dk"), py::arg("dv"), py::arg("keep"), py::arg("part") = "both", py::arg("iters") = 20,
+           py::arg("reps") = 10)
       .def("attention", &KernelBench::attention, py::arg("T"), py::arg("context"), py::arg("hq"), py::arg("hkv"),
            py::arg("hd"), py::arg("iters") = 50, py::arg("reps") = 10)
       .def("attention_decode", &KernelBench::attention_decode, py::arg("T"), py::arg("context"), py::arg("hq"),

@@ -534,6 +534,49 @@ void register_op_runner(py::module_& m) {
            py::arg("proj"), py::arg("conv_w"), py::arg("conv_state"), py::arg("A_log"), py::arg("dt_bias"),
            py::arg("norm_w"), py::arg("state"), py::arg("hk"), py::arg("hv"), py::arg("dk"), py::arg("dv"),
            py::arg("keep"), py::arg("pad") = 0)
+      .def("gdn_verify_commit_replay",
+           [](OpRunner& r, F32Array proj, F32Array conv_w, F32Array conv_state, F32Array A_log, F32Array dt_bias,
+              F32Array norm_w, F32Array state, int64_t hk, int64_t hv, int64_t dk, int64_t dv,
+              const std::vector<int32_t>& keeps) {
+             // One step (captured_step: a CUDA graph where the backend has graphs) that restores both states
+             // from copies of the inputs, runs gdn_verify of proj's T tokens and gdn_commit of keep[0] of
+             // them, keep being a device tensor set before each run to the next of `keeps`. Returns (out
+             // [n, T, HV*dv], conv_state [n, C, K-1], state [n, HV, dk, dv]) after each run.
+             GdnParams p = gdn_params(hk, hv, dk, dv, 1e-6f);
+             p.conv_kernel = conv_w.shape(1);
+             const py::ssize_t T = proj.shape(0), C = p.conv_dim(), vdim = hv * dv, n = py::ssize_t(keeps.size());
+             Tensor pr = r.upload(proj, r.act());
+             Tensor cw = r.upload(conv_w, DType::F32), cs0 = r.upload(conv_state, DType::F32),
+                    st0 = r.upload(state, DType::F32), a = r.upload(A_log, DType::F32), d = r.upload(dt_bias, DType::F32),
+                    nw = r.upload(norm_w, DType::F32);
+             Tensor cs = r.poisoned({C, py::ssize_t(p.conv_kernel - 1)}, DType::F32),
+                    st = r.poisoned({py::ssize_t(hv), py::ssize_t(dk), py::ssize_t(dv)}, DType::F32);
+             Tensor out = r.poisoned({T, vdim}, r.act()), conv_out = r.poisoned({T, C}, r.act()),
+                    o = r.poisoned({T, vdim}, r.act());
+             GdnReplay replay{r.poisoned({T, C}, r.act()), r.poisoned({T, hk * dk}, DType::F32),
+                              r.poisoned({T, hv}, DType::F32), r.poisoned({T, vdim}, DType::F32)};
+             Tensor keep = r.upload_i32(I32Array(std::vector<py::ssize_t>{1}));
+             auto step = [&] {
+               r.be().copy(cs, cs0);
+               r.be().copy(st, st0);
+               r.be().gdn_verify(pr, cw, cs, a, d, nw, st, p, conv_out, o, out, replay);
+               r.be().gdn_commit(replay, keep, p, cs, st);
+             };
+             const std::function<void()> run = captured_step(r, step);
+             py::array_t<float> outs({n, T, py::ssize_t(vdim)}), conv_states({n, C, py::ssize_t(p.conv_kernel - 1)}),
+                 states({n, py::ssize_t(hv), py::ssize_t(dk), py::ssize_t(dv)});
+             for (py::ssize_t i = 0; i < n; ++i) {
+               r.be().copy_from_host(keep, &keeps[size_t(i)], DType::I32);
+               run();
+               r.be().copy_to_host(outs.mutable_data(i), out);
+               r.be().copy_to_host(conv_states.mutable_data(i), cs);
+               r.be().copy_to_host(states.mutable_data(i), st);
+             }
+             return py::make_tuple(outs, conv_states, states);
+           },
+           py::arg("proj"), py::arg("conv_w"), py::arg("conv_state"), py::arg("A_log"), py::arg("dt_bias"),
+           py::arg("norm_w"), py::arg("state"), py::arg("hk"), py::arg("hv"), py::arg("dk"), py::arg("dv"),
+           py::arg("keeps"))
       .def("draft_store_kv",
            [](OpRunner& r, F32Array kv, F32Array k_norm, I32Array positions, F32Array k_cache, F32Array v_cache,
               int64_t hkv, int64_t hd, float theta, float eps) {
@@ -591,6 +634,65 @@ void register_op_runner(py::module_& m) {
              const int32_t n = r.download_i32(count).data()[0];
              py::array_t<int32_t> emitted = r.download_i32(out);
              return py::make_tuple(emitted[py::slice(0, n, 1)], n, r.download_i32(stt).data()[0]);
+           })
+      .def("selector_walk_steps",
+           [](OpRunner& r, F32Array logits, F32Array h, F32Array pred, F32Array succ, int32_t anchor, int64_t top_k,
+              float temperature, uint64_t seed, int32_t step, int64_t steps) {
+             // `steps` runs of one step (captured_step) of selector_walk followed by step += R on the device.
+             // Returns (tokens [steps, R], candidates [steps, R, K], probabilities [steps, R, K]).
+             const py::ssize_t R = logits.shape(0), K = py::ssize_t(top_k);
+             I32Array a(std::vector<py::ssize_t>{1}), st(std::vector<py::ssize_t>{1});
+             a.mutable_data()[0] = anchor;
+             st.mutable_data()[0] = step;
+             Tensor lt = r.upload(logits, r.act()), ht = r.upload(h, r.act()), pt = r.upload(pred, r.wt()),
+                    su = r.upload(succ, r.wt()), at = r.upload_i32(a), stt = r.upload_i32(st);
+             Tensor tokens = r.upload_i32(I32Array(std::vector<py::ssize_t>{R})),
+                    cand = r.upload_i32(I32Array(std::vector<py::ssize_t>{R, K}));
+             Tensor prob = r.poisoned({R, K}, DType::F32);
+             auto one = [&] {
+               r.be().selector_walk(lt, ht, pt, su, at, temperature, seed, stt, tokens, cand, prob);
+               r.be().increment(stt, int32_t(R));
+             };
+             const std::function<void()> run = captured_step(r, one);
+             py::array_t<int32_t> tok({py::ssize_t(steps), R}), cnd({py::ssize_t(steps), R, K});
+             py::array_t<float> prb({py::ssize_t(steps), R, K});
+             for (py::ssize_t i = 0; i < py::ssize_t(steps); ++i) {
+               run();
+               r.be().copy_to_host(tok.mutable_data(i), tokens);
+               r.be().copy_to_host(cnd.mutable_data(i), cand);
+               r.be().copy_to_host(prb.mutable_data(i), prob);
+             }
+             return py::make_tuple(tok, cnd, prb);
+           })
+      .def("speculative_accept_steps",
+           [](OpRunner& r, F32Array logits, I32Array draft, I32Array cand, F32Array cand_prob, float temperature,
+              int32_t top_k, float top_p, uint64_t seed, int32_t step, int64_t steps) {
+             // `steps` runs of one step (captured_step) of speculative_accept on the same inputs, the step
+             // counter advancing on the device. Returns (emitted tokens [steps, B] (-1 past the count),
+             // counts [steps], the final step).
+             SamplerConfig c{temperature, top_k, top_p, seed};
+             const py::ssize_t B = logits.shape(0);
+             I32Array st(std::vector<py::ssize_t>{1});
+             st.mutable_data()[0] = step;
+             Tensor lt = r.upload(logits, r.act()), dt = r.upload_i32(draft), ct = r.upload_i32(cand),
+                    qt = r.upload(cand_prob, DType::F32), stt = r.upload_i32(st);
+             Tensor out = r.upload_i32(I32Array(std::vector<py::ssize_t>{B})),
+                    count = r.upload_i32(I32Array(std::vector<py::ssize_t>{1}));
+             auto one = [&] { r.be().speculative_accept(lt, dt, ct, qt, c, stt, out, count); };
+             const std::function<void()> run = captured_step(r, one);
+             py::array_t<int32_t> emitted({py::ssize_t(steps), B}), counts(std::vector<py::ssize_t>{py::ssize_t(steps)});
+             std::vector<int32_t> row(size_t(B), 0);
+             for (py::ssize_t i = 0; i < py::ssize_t(steps); ++i) {
+               const std::vector<int32_t> minus(size_t(B), -1);
+               r.be().copy_from_host(out, minus.data(), DType::I32);
+               run();
+               int32_t n = 0;
+               r.be().copy_to_host(&n, count);
+               r.be().copy_to_host(row.data(), out);
+               for (py::ssize_t j = 0; j < B; ++j) emitted.mutable_at(i, j) = j < n ? row[size_t(j)] : -1;
+               counts.mutable_at(i) = n;
+             }
+             return py::make_tuple(emitted, counts, r.download_i32(stt).data()[0]);
            })
       .def("sample", [](OpRunner& r, F32Array logits, float temperature, int32_t top_k, float top_p, uint64_t seed,
                         int32_t step) {

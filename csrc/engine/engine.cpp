@@ -56,9 +56,6 @@ class EngineImpl final : public Engine {
     const int64_t default_chunk = backend_->device() == DeviceKind::CPU ? 512 : 2048;
     prefill_chunk_ = std::min(opt.prefill_chunk > 0 ? opt.prefill_chunk : default_chunk, max_context_);
 
-    if (!opt.drafter.empty() && backend_->device() != DeviceKind::CPU)
-      throw Error(ErrorCode::kInvalidArgument, "speculative decoding is not yet implemented on CUDA (drafter '" +
-                                                   opt.drafter + "'): use device='cpu', or no drafter");
     std::optional<DraftConfig> draft_config;
     if (!opt.drafter.empty()) draft_config = load_draft_config(opt.drafter, config_);
     if (!draft_config && (opt.benchmark_forced_acceptance != 0 || opt.benchmark_phase_timing))

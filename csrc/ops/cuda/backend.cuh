@@ -7,7 +7,7 @@
 // become Error(kInternal), as they are bugs of the caller inside ocria_rt.
 //
 // The class is declared here; its methods are defined in the file of their op family
-// (embedding.cu, linear.cu, norm.cu, activation.cu, attention.cu, gdn.cu, sampling.cu) and the
+// (embedding.cu, linear.cu, norm.cu, activation.cu, attention.cu, gdn.cu, sampling.cu, dflash.cu) and the
 // memory / stream methods in backend.cu.
 //
 // Programmatic dependent launch (PDL, sm_90). The kernels of the decode path are launched with
@@ -337,6 +337,24 @@ class CudaBackend final : public Backend {
                   const Tensor& dt_bias, const Tensor& norm_weight, const Tensor& state, const GdnParams& p,
                   const Tensor& conv_out, const Tensor& o, const Tensor& out) override;
   void sample(const Tensor& logits, const SamplerConfig& config, const Tensor& step, const Tensor& tokens) override;
+  // Speculative decoding (gdn.cu: verify / commit; dflash.cu: the drafter's ops; sampling.cu: acceptance).
+  void gdn_verify(const Tensor& proj, const Tensor& conv_weight, const Tensor& conv_state, const Tensor& A_log,
+                  const Tensor& dt_bias, const Tensor& norm_weight, const Tensor& state, const GdnParams& p,
+                  const Tensor& conv_out, const Tensor& o, const Tensor& out, const GdnReplay& replay) override;
+  void gdn_commit(const GdnReplay& replay, const Tensor& keep, const GdnParams& p, const Tensor& conv_state,
+                  const Tensor& state) override;
+  void draft_store_kv(const Tensor& kv, const Tensor& k_norm, const Tensor& positions, const AttentionParams& p,
+                      const Tensor& k_cache, const Tensor& v_cache) override;
+  void draft_attention(const Tensor& q, const Tensor& q_norm, const Tensor& positions, const Tensor& k_cache,
+                       const Tensor& v_cache, const AttentionParams& p, const DraftMask& mask, const Tensor& out) override;
+  void dynamic_conv(const Tensor& x, const Tensor& dyn, const Tensor& base, int64_t group, const Tensor& out) override;
+  void scale_softcap(const Tensor& x, float multiplier, float softcap) override;
+  void selector_walk(const Tensor& logits, const Tensor& h, const Tensor& pred, const Tensor& succ, const Tensor& anchor,
+                     float temperature, uint64_t seed, const Tensor& step, const Tensor& tokens, const Tensor& cand,
+                     const Tensor& cand_prob) override;
+  void speculative_accept(const Tensor& logits, const Tensor& draft, const Tensor& cand, const Tensor& cand_prob,
+                          const SamplerConfig& config, const Tensor& step, const Tensor& out,
+                          const Tensor& count) override;
   void layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out, float eps) override;
   void gelu(const Tensor& x, const Tensor& out, bool tanh_approximation) override;
   void gather_blend_add(const Tensor& table, const Tensor& rows, const Tensor& weights, const Tensor& x) override;

@@ -15,6 +15,8 @@
 //
 // Fused decode kernel (gdn_decode, up to 16 tokens): see the comment before it.
 //
+// Speculative verification (gdn_verify, gdn_commit: ReplaySSM): see the comment before their kernels.
+//
 // Chunked form (gdn_chunked from 64 tokens, BF16, dk 64 / 128): see the comment before its kernels.
 #include "ops/cuda/backend.cuh"
 #include "ops/cuda/conv.cuh"
@@ -34,9 +36,13 @@ constexpr int kWarps = 4;
 
 __device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(__expf(x)); }  // torch threshold
 
-// exp(g), g = neg_A * softplus(a + dt_bias), neg_A = -exp(A_log).
+// g = neg_A * softplus(a + dt_bias), neg_A = -exp(A_log): the log decay; gdn_decay = exp(g), formed
+// from the same float g that gdn_verify records, so that gdn_commit's __expf(g) gives the same bits.
+__device__ __forceinline__ float gdn_log_decay(float a, float neg_A, float dt_bias) {
+  return neg_A * softplus(a + dt_bias);
+}
 __device__ __forceinline__ float gdn_decay(float a, float neg_A, float dt_bias) {
-  return __expf(neg_A * softplus(a + dt_bias));
+  return __expf(gdn_log_decay(a, neg_A, dt_bias));
 }
 
 // One warp L2-normalises q and k of one token, x * rsqrt(sum x^2 + 1e-6) as transformers / fla
@@ -75,10 +81,11 @@ __device__ __forceinline__ float l2norm_qk(QAt q_at, KAt k_at, float* qs, float*
 // (16-byte aligned); v: the column's value. red [kWarps][32] (the current token parity's buffer)
 // carries the partial sums of S_dec^T k and S_dec^T q over the row groups: one barrier per token, and
 // a warp writes the same buffer again only after the next token's barrier, when every warp has read
-// it. Contains __syncthreads(). Returns o = S_dec^T q + u (k . q) for the column.
+// it. Contains __syncthreads(). Returns o = S_dec^T q + u (k . q) for the column, and u = beta (v - S_dec^T k)
+// in `u_out`.
 template <int R>
 __device__ __forceinline__ float gdn_token(float (&S)[R], const float* kt, const float* qt, float decay, float beta,
-                                           float v, float kq, float2 (*red)[32], int rw, int lane) {
+                                           float v, float kq, float2 (*red)[32], int rw, int lane, float& u_out) {
   float pk = 0.0f, pq = 0.0f;
 #pragma unroll
   for (int r = 0; r < R; r += 4) {
@@ -106,6 +113,7 @@ __device__ __forceinline__ float gdn_token(float (&S)[R], const float* kt, const
     S[r + 2] = fmaf(k4.z, u, S[r + 2]);
     S[r + 3] = fmaf(k4.w, u, S[r + 3]);
   }
+  u_out = u;
   return fmaf(u, kq, sq);
 }
 
@@ -173,8 +181,9 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
     __syncthreads();
     for (int tt = 0; tt < nt; ++tt) {
+      float u;
       const float o = gdn_token<R>(S, &ks[tt][warp * R], &qs[tt][warp * R], decay_s[tt], beta_s[tt], vs[tt][lane],
-                                   kq_s[tt], red[parity], warp, lane);
+                                   kq_s[tt], red[parity], warp, lane, u);
       if (warp == 0 && col_ok) out[int64_t(tc + tt) * ldo + int64_t(h) * dv + col] = from_float<T>(o);
       parity ^= 1;
     }
@@ -320,8 +329,9 @@ __global__ void __maxnreg__(kDecMaxRegs)
   int parity = 0;
   for (int t = 0; t < n_tokens; ++t) {
     const float v = col_ok ? xs[t][2 * DK + col] : 0.0f;
+    float u;
     const float o = gdn_token<R>(S, &xs[t][DK + rw * R], &xs[t][rw * R], decay_s[t], beta_s[t], v, kq_s[t],
-                                 red[parity][cg], rw, lane);
+                                 red[parity][cg], rw, lane, u);
     if (rw == 0 && col_ok) os[t][col] = to_float(from_float<bf16>(o));
     parity ^= 1;
   }
@@ -347,6 +357,259 @@ __global__ void __maxnreg__(kDecMaxRegs)
   cluster_wait();  // every block of the cluster has read the old conv state
   if (has_ch && (tid >= 2 * DK || h % group == 0))
     cw.finish(K, [&](int j, float x) { conv_state[ch * (K - 1) + j] = x; });
+}
+
+// ---- gdn_verify / gdn_commit: the ReplaySSM form of a verified block ----
+//
+// gdn_verify_kernel: gdn_decode's arithmetic for a block of tokens without writing either state, so
+// its outputs are gdn_decode's bits. At T = 16 the recurrence is compute-bound per head (about 4 flops
+// per state element and token), so each value head is spread over ceil(dv / 32) blocks of 4 warps
+// (a thread block cluster), one per 32 columns of dv, in the layout of gdn_recurrent_kernel (row group
+// = warp, column = lane): the 4B's 32 heads fill 128 SMs instead of 32. Each block
+//  1. convolves the q, k channels of key head h / (HV / HK) and its 32 v channels over the tokens
+//     (ConvWindow, BF16-rounded as gdn_conv stores them), recording the raw inputs (conv_in);
+//  2. normalises q, k per token (l2norm_qk) and forms the gates, recording k and the log decay g;
+//  3. steps the tokens through gdn_token with S in registers (read once, never written), recording
+//     u, and sends each o (BF16-rounded) to the block of the cluster that normalises that token
+//     (token t to block t % blocks, distributed shared memory);
+//  4. after a cluster barrier, forms the gated norm of its tokens over all dv columns, in
+//     gdn_decode's order.
+// The q, k records of a key head are written by block 0 of its first value head only. Tokens past
+// kTokChunk run in further chunks (the conv window restarts from the raw inputs, as gdn_conv's chunks
+// do), the state staying in registers.
+//
+// gdn_commit_kernel: per state element S = exp(g) S + k u (exactly gdn_token's two roundings) for the
+// first keep[0] tokens, keep read on the device; and the conv state shifted by keep[0] inputs. Each
+// thread holds a 4 x 4 tile of one head's state; further blocks take the conv channels.
+constexpr int kVerifyMaxGroups = 8;  // column groups of 32 per head (the cluster size): dv <= 256
+// o of the tokens a block normalises: token t of the chunk at slot t / groups, row length 32 * groups.
+constexpr int kVerifyOutSlots = kTokChunk * 32 + 32 * kVerifyMaxGroups;
+
+// Where gdn_verify writes its records (row strides in elements).
+struct ReplayView {
+  bf16* conv_in;
+  int64_t ld_conv_in;
+  float* k;
+  int64_t ld_k;
+  float* g;
+  int64_t ld_g;
+  float* u;
+  int64_t ld_u;
+};
+
+__device__ __forceinline__ void cluster_sync_all() {
+  cluster_arrive();
+  cluster_wait();
+}
+
+template <int DK, int KW>
+__global__ void __launch_bounds__(kWarps * 32)
+    gdn_verify_kernel(const bf16* __restrict__ proj, int64_t ldp, ParamView conv_w, const float* __restrict__ conv_state,
+                      ParamView A_log, ParamView dt_bias, ParamView norm_w, const float* __restrict__ state,
+                      bf16* __restrict__ out, int64_t ldo, ReplayView rec, int n_tokens, int HK, int HV, int dv,
+                      int K_arg, float eps) {
+  constexpr int R = DK / kWarps;    // rows of S per thread
+  constexpr int kCh = 2 * DK + 32;  // conv channels of a block: q | k of the key head, 32 v columns
+  const int K = KW > 0 ? KW : K_arg;
+  __shared__ __align__(16) float xs[kTokChunk][2 * DK];  // conv outputs q | k (BF16 values), then normalised
+  __shared__ float vs[kTokChunk][32];                    // conv outputs of the block's v columns
+  __shared__ float on[kVerifyOutSlots];                  // o (BF16 values) of the tokens this block normalises
+  __shared__ float2 red[2][kWarps][32];
+  __shared__ float beta_s[kTokChunk], decay_s[kTokChunk], kq_s[kTokChunk];
+
+  pdl_launch_dependents();
+  const int cg = blockIdx.x, groups = gridDim.x, h = blockIdx.y;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int col = 32 * cg + lane;
+  const bool col_ok = col < dv;
+  const int group = HV / HK, hk = h / group;
+  const int64_t C = 2 * int64_t(HK) * DK + int64_t(HV) * dv, vdim = int64_t(HV) * dv;
+  const bool qk_writer = cg == 0 && h % group == 0;  // records conv_in and k of the key head's q, k channels
+  const float neg_A = -__expf(A_log[h]), dtb = dt_bias[h];
+  const float* Sp = state + int64_t(h) * DK * dv + int64_t(warp * R) * dv + col;  // row r: Sp[r * dv]
+  prefetch_state_rows<R>(Sp - lane, dv, col - lane < dv, lane);
+  cluster_arrive_relaxed();  // this block has started: the others may store into its shared memory
+  pdl_wait();  // the weights, A_log, dt_bias are read-only; the rest comes from earlier kernels
+
+  float S[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) S[r] = col_ok ? Sp[r * dv] : 0.0f;
+  cluster_wait();
+
+  int parity = 0;
+  for (int t0 = 0; t0 < n_tokens; t0 += kTokChunk) {
+    const int nt = min(kTokChunk, n_tokens - t0);
+    // Every block of the cluster is done with the previous chunk's `on`, and this block with xs, vs.
+    if (t0 > 0) cluster_sync_all();
+
+    // 1. conv + SiLU of the block's channels, rounded to BF16 as gdn_conv stores them.
+    for (int i = tid; i < kCh; i += kWarps * 32) {
+      const bool is_v = i >= 2 * DK;
+      const int vcol = 32 * cg + (i - 2 * DK);
+      if (is_v && vcol >= dv) continue;
+      const int64_t ch = i < DK       ? int64_t(hk) * DK + i
+                         : i < 2 * DK ? int64_t(HK + hk) * DK + (i - DK)
+                                      : 2 * int64_t(HK) * DK + int64_t(h) * dv + vcol;
+      const bool record = is_v || qk_writer;
+      ConvWindow<(KW > 0 ? KW : kConvMaxWidth)> cw;
+      cw.load_weights(conv_w, ch, K, true);
+      // in[p] = conv_state[p] (p < K-1) or the raw input of token p - (K-1)
+      cw.start(K, [&](int j) {
+        const int p = t0 + j;
+        return p < K - 1 ? conv_state[ch * (K - 1) + p] : to_float(proj[int64_t(p - (K - 1)) * ldp + ch]);
+      });
+      bf16 x[kTokChunk];
+#pragma unroll
+      for (int t = 0; t < kTokChunk; ++t)
+        if (t < nt) x[t] = proj[int64_t(t0 + t) * ldp + ch];
+#pragma unroll
+      for (int t = 0; t < kTokChunk; ++t) {
+        if (t >= nt) break;
+        if (record) rec.conv_in[int64_t(t0 + t) * rec.ld_conv_in + ch] = x[t];
+        const float y = to_float(from_float<bf16>(cw.step(to_float(x[t]))));
+        if (is_v) vs[t][i - 2 * DK] = y;
+        else xs[t][i] = y;
+      }
+    }
+    __syncthreads();
+
+    // 2. norms and gates; warp w takes tokens w, w + 4, ...
+    for (int t = warp; t < nt; t += kWarps) {
+      float* x = xs[t];
+      const float kq = l2norm_qk<DK>([&](int i) { return x[i]; }, [&](int i) { return x[DK + i]; }, x, x + DK, lane);
+      __syncwarp();
+      if (qk_writer)
+        for (int i = lane; i < DK; i += 32) rec.k[int64_t(t0 + t) * rec.ld_k + int64_t(hk) * DK + i] = x[DK + i];
+      if (lane == 0) {
+        const bf16* gates = proj + int64_t(t0 + t) * ldp + C + vdim;  // b (HV) | a (HV)
+        const float g = gdn_log_decay(to_float(gates[HV + h]), neg_A, dtb);
+        beta_s[t] = sigmoid(to_float(gates[h]));
+        decay_s[t] = __expf(g);
+        kq_s[t] = kq;
+        if (cg == 0) rec.g[int64_t(t0 + t) * rec.ld_g + h] = g;
+      }
+    }
+    __syncthreads();
+
+    // 3. the recurrence; o rounded to BF16 as gdn_recurrent stores it, sent to its normalising block.
+    for (int t = 0; t < nt; ++t) {
+      const float v = col_ok ? vs[t][lane] : 0.0f;
+      float u;
+      const float o = gdn_token<R>(S, &xs[t][DK + warp * R], &xs[t][warp * R], decay_s[t], beta_s[t], v, kq_s[t],
+                                   red[parity], warp, lane, u);
+      if (warp == 0 && col_ok) {
+        rec.u[int64_t(t0 + t) * rec.ld_u + int64_t(h) * dv + col] = u;
+        store_cluster_shared(&on[(t / groups) * 32 * groups + col], unsigned(t % groups), to_float(from_float<bf16>(o)));
+      }
+      parity ^= 1;
+    }
+    cluster_sync_all();  // every o of this chunk is in the shared memory of its normalising block
+
+    // 4. the gated norm of tokens cg, cg + groups, ... of the chunk over the dv columns (elements
+    //    lane + 32 m in order, as gdn_decode and gdn_gated_norm sum them).
+    for (int slot = warp;; slot += kWarps) {
+      const int t = cg + groups * slot;
+      if (t >= nt) break;
+      const float* ot = on + slot * 32 * groups;
+      float ss = 0.0f;
+      for (int m = 0; m < groups; ++m)
+        if (lane + 32 * m < dv) ss = fmaf(ot[lane + 32 * m], ot[lane + 32 * m], ss);
+      const float inv = gated_norm_inv(ss, dv, eps);
+      const bf16* z = proj + int64_t(t0 + t) * ldp + C + int64_t(h) * dv;
+      bf16* dst = out + int64_t(t0 + t) * ldo + int64_t(h) * dv;
+      for (int m = 0; m < groups; ++m) {
+        const int c = lane + 32 * m;
+        if (c < dv) dst[c] = from_float<bf16>(gated_norm_out(ot[c], inv, norm_w[c], to_float(z[c])));
+      }
+    }
+  }
+}
+
+constexpr int kCommitThreads = 256;
+
+// Blocks [0, state_blocks): the state, thread = (head, 4 rows, 4 columns); the rest: conv channels.
+template <bool VEC>
+__global__ void __launch_bounds__(kCommitThreads)
+    gdn_commit_kernel(ReplayView rec, const int32_t* __restrict__ keep, int max_keep, float* __restrict__ conv_state,
+                      float* __restrict__ state, int C, int K1, int HK, int HV, int dk, int dv, int state_blocks) {
+  pdl_launch_dependents();
+  if (int(blockIdx.x) >= state_blocks) {
+    const int c = (int(blockIdx.x) - state_blocks) * kCommitThreads + int(threadIdx.x);
+    pdl_wait();
+    if (c >= C) return;
+    const int n = min(max(keep[0], 0), max_keep);
+    // conv_state <- the last K-1 of [conv_state ; conv_in[0 : n]]
+    float old[kConvMaxWidth - 1];
+#pragma unroll
+    for (int j = 0; j < kConvMaxWidth - 1; ++j) old[j] = j < K1 ? conv_state[int64_t(c) * K1 + j] : 0.0f;
+#pragma unroll
+    for (int j = 0; j < kConvMaxWidth - 1; ++j) {
+      if (j >= K1) break;
+      const int p = n + j;  // index into [old ; conv_in]
+      float v;
+      if (p < K1) {
+        v = 0.0f;
+#pragma unroll
+        for (int i = 0; i < kConvMaxWidth - 1; ++i)
+          if (i == p) v = old[i];  // static indices: old stays in registers
+      } else {
+        v = to_float(rec.conv_in[int64_t(p - K1) * rec.ld_conv_in + c]);
+      }
+      conv_state[int64_t(c) * K1 + j] = v;
+    }
+    return;
+  }
+  const int nq = (dv + 3) / 4, rq = dk / 4;
+  const int64_t item = int64_t(blockIdx.x) * kCommitThreads + threadIdx.x;
+  const int jq = int(item % nq);
+  const int64_t rest = item / nq;
+  const int iq = int(rest % rq), h = int(rest / rq);
+  const bool ok = h < HV;
+  const int hk = ok ? h / (HV / HK) : 0, j0 = 4 * jq, i0 = 4 * iq;
+  float* Sp = state + (int64_t(h) * dk + i0) * dv + j0;
+  if (ok && jq % 8 == 0)  // one prefetch per 128-byte line; the state was last written by this op
+#pragma unroll
+    for (int a = 0; a < 4; ++a) prefetch_l2_line(Sp + int64_t(a) * dv);
+  pdl_wait();
+  if (!ok) return;
+  const int n = min(max(keep[0], 0), max_keep);
+  float S[4][4];
+#pragma unroll
+  for (int a = 0; a < 4; ++a) {
+    if (VEC) {
+      const float4 v = *reinterpret_cast<const float4*>(Sp + int64_t(a) * dv);
+      S[a][0] = v.x, S[a][1] = v.y, S[a][2] = v.z, S[a][3] = v.w;
+    } else {
+#pragma unroll
+      for (int b = 0; b < 4; ++b) S[a][b] = j0 + b < dv ? Sp[int64_t(a) * dv + b] : 0.0f;
+    }
+  }
+#pragma unroll 4  // the loads of several tokens in flight together
+  for (int t = 0; t < n; ++t) {
+    const float decay = __expf(rec.g[int64_t(t) * rec.ld_g + h]);
+    const float* kt = rec.k + int64_t(t) * rec.ld_k + int64_t(hk) * dk + i0;
+    const float* ut = rec.u + int64_t(t) * rec.ld_u + int64_t(h) * dv + j0;
+    float k[4], u[4];
+#pragma unroll
+    for (int a = 0; a < 4; ++a) k[a] = kt[a];
+#pragma unroll
+    for (int b = 0; b < 4; ++b) u[b] = VEC || j0 + b < dv ? ut[b] : 0.0f;
+    // gdn_token's order: the decayed state rounded, then the rank-1 update fused
+#pragma unroll
+    for (int a = 0; a < 4; ++a)
+#pragma unroll
+      for (int b = 0; b < 4; ++b) S[a][b] = fmaf(k[a], u[b], __fmul_rn(S[a][b], decay));
+  }
+#pragma unroll
+  for (int a = 0; a < 4; ++a) {
+    if (VEC) {
+      *reinterpret_cast<float4*>(Sp + int64_t(a) * dv) = make_float4(S[a][0], S[a][1], S[a][2], S[a][3]);
+    } else {
+#pragma unroll
+      for (int b = 0; b < 4; ++b)
+        if (j0 + b < dv) Sp[int64_t(a) * dv + b] = S[a][b];
+    }
+  }
 }
 
 // ---- launches ----
@@ -1046,6 +1309,111 @@ void CudaBackend::gdn_decode(const Tensor& proj, const Tensor& conv_weight, cons
     case 64: fixed ? launch(gdn_decode_kernel<64, kDecMaxDv, kDecFixedWidth>) : launch(gdn_decode_kernel<64, 0, 0>); break;
     case 128: fixed ? launch(gdn_decode_kernel<128, kDecMaxDv, kDecFixedWidth>) : launch(gdn_decode_kernel<128, 0, 0>); break;
   }
+}
+
+namespace {
+
+// The records of a replay for T tokens, checked against the shapes of p (and K - 1 conv inputs).
+cuda::ReplayView replay_view(const GdnReplay& r, int64_t T, const GdnParams& p, const char* op) {
+  using namespace cuda;
+  require_tensor(r.conv_in, DType::BF16, op, "replay.conv_in");
+  require_tensor(r.k, DType::F32, op, "replay.k");
+  require_tensor(r.g, DType::F32, op, "replay.g");
+  require_tensor(r.u, DType::F32, op, "replay.u");
+  const int64_t rows = r.u.dim(0);
+  OCRIA_RT_REQUIRE(r.conv_in.ndim == 2 && r.conv_in.dim(0) == rows && r.conv_in.dim(1) == p.conv_dim(), op,
+                   "replay.conv_in " + r.conv_in.shape_str());
+  OCRIA_RT_REQUIRE(r.k.ndim == 2 && r.k.dim(0) == rows && r.k.dim(1) == p.num_k_heads * p.k_head_dim, op,
+                   "replay.k " + r.k.shape_str());
+  OCRIA_RT_REQUIRE(r.g.ndim == 2 && r.g.dim(0) == rows && r.g.dim(1) == p.num_v_heads, op, "replay.g " + r.g.shape_str());
+  OCRIA_RT_REQUIRE(r.u.ndim == 2 && r.u.dim(1) == p.num_v_heads * p.v_head_dim, op, "replay.u " + r.u.shape_str());
+  OCRIA_RT_REQUIRE(T <= rows, op, std::to_string(T) + " tokens, replay rows for " + std::to_string(rows));
+  return {r.conv_in.ptr<bf16>(), r.conv_in.row_stride, r.k.ptr<float>(), r.k.row_stride,
+          r.g.ptr<float>(),       r.g.row_stride,       r.u.ptr<float>(), r.u.row_stride};
+}
+
+}  // namespace
+
+void CudaBackend::gdn_verify(const Tensor& proj, const Tensor& conv_weight, const Tensor& conv_state,
+                             const Tensor& A_log, const Tensor& dt_bias, const Tensor& norm_weight, const Tensor& state,
+                             const GdnParams& p, const Tensor& conv_out, const Tensor& o, const Tensor& out,
+                             const GdnReplay& replay) {
+  using namespace cuda;
+  const char* op = "gdn_verify";
+  require_tensor(proj, DType::BF16, op, "proj");
+  require_tensor(out, DType::BF16, op, "out");
+  require_tensor(conv_state, DType::F32, op, "conv_state");
+  require_tensor(state, DType::F32, op, "state");
+  ParamView cw = param_view(conv_weight, op, "conv_weight"), a_log = param_view(A_log, op, "A_log"),
+            dtb = param_view(dt_bias, op, "dt_bias"), nw = param_view(norm_weight, op, "norm_weight");
+  const int64_t T = proj.dim(0), HK = p.num_k_heads, HV = p.num_v_heads, dk = p.k_head_dim, dv = p.v_head_dim;
+  const int64_t C = p.conv_dim(), vdim = HV * dv, K = conv_weight.dim(-1);
+  OCRIA_RT_REQUIRE(HK > 0 && HV > 0 && HV % HK == 0, op, "HV must be a positive multiple of HK");
+  OCRIA_RT_REQUIRE(dk == 16 || dk == 32 || dk == 64 || dk == 128 || dk == 256, op,
+                   "k_head_dim " + std::to_string(dk) + " unsupported (16/32/64/128/256)");
+  OCRIA_RT_REQUIRE(dv >= 1 && dv <= 32 * kVerifyMaxGroups, op,
+                   "v_head_dim " + std::to_string(dv) + " unsupported (1.." + std::to_string(32 * kVerifyMaxGroups) + ")");
+  OCRIA_RT_REQUIRE(K >= 2 && K <= kConvMaxWidth, op, "conv width " + std::to_string(K) + " unsupported (2..8)");
+  OCRIA_RT_REQUIRE(proj.ndim == 2 && proj.dim(1) == C + vdim + 2 * HV, op,
+                   "proj " + proj.shape_str() + ", expected [T, " + std::to_string(C + vdim + 2 * HV) + "]");
+  OCRIA_RT_REQUIRE(out.ndim == 2 && out.dim(0) == T && out.dim(1) == vdim, op, "out " + out.shape_str());
+  OCRIA_RT_REQUIRE(conv_weight.numel() == C * K, op, "conv_weight " + conv_weight.shape_str());
+  OCRIA_RT_REQUIRE(conv_state.numel() == C * (K - 1) && conv_state.contiguous(), op,
+                   "conv_state " + conv_state.shape_str() + ", expected [C, K-1] contiguous");
+  OCRIA_RT_REQUIRE(state.numel() == HV * dk * dv && state.contiguous(), op, "state " + state.shape_str());
+  OCRIA_RT_REQUIRE(A_log.numel() == HV && dt_bias.numel() == HV, op, "A_log / dt_bias must have HV elements");
+  OCRIA_RT_REQUIRE(norm_weight.numel() == dv, op, "norm_weight must have v_head_dim elements");
+  OCRIA_RT_REQUIRE(T < (int64_t(1) << 31), op, "too many tokens");
+  const ReplayView rec = replay_view(replay, T, p, op);
+  if (T == 0) return;
+  activate();
+  const unsigned groups = unsigned((dv + 31) / 32);
+  auto launch = [&](auto kernel) {
+    launch_pdl_cluster(launch_ctx(), "gdn_verify_kernel", groups, kernel, dim3(groups, unsigned(HV)), dim3(kWarps * 32),
+                       0, proj.ptr<const bf16>(), proj.row_stride, cw, conv_state.ptr<const float>(), a_log, dtb, nw,
+                       state.ptr<const float>(), out.ptr<bf16>(), out.row_stride, rec, int(T), int(HK), int(HV),
+                       int(dv), int(K), p.norm_eps);
+  };
+  // The conv width of every Qwen3.5 size (4) at compile time; others at run time.
+  const bool fixed = K == kDecFixedWidth;
+  switch (dk) {
+    case 16: fixed ? launch(gdn_verify_kernel<16, kDecFixedWidth>) : launch(gdn_verify_kernel<16, 0>); break;
+    case 32: fixed ? launch(gdn_verify_kernel<32, kDecFixedWidth>) : launch(gdn_verify_kernel<32, 0>); break;
+    case 64: fixed ? launch(gdn_verify_kernel<64, kDecFixedWidth>) : launch(gdn_verify_kernel<64, 0>); break;
+    case 128: fixed ? launch(gdn_verify_kernel<128, kDecFixedWidth>) : launch(gdn_verify_kernel<128, 0>); break;
+    case 256: fixed ? launch(gdn_verify_kernel<256, kDecFixedWidth>) : launch(gdn_verify_kernel<256, 0>); break;
+  }
+}
+
+void CudaBackend::gdn_commit(const GdnReplay& replay, const Tensor& keep, const GdnParams& p, const Tensor& conv_state,
+                             const Tensor& state) {
+  using namespace cuda;
+  const char* op = "gdn_commit";
+  require_tensor(keep, DType::I32, op, "keep");
+  require_tensor(conv_state, DType::F32, op, "conv_state");
+  require_tensor(state, DType::F32, op, "state");
+  const int64_t HK = p.num_k_heads, HV = p.num_v_heads, dk = p.k_head_dim, dv = p.v_head_dim, C = p.conv_dim();
+  OCRIA_RT_REQUIRE(keep.numel() == 1, op, "keep must be one I32 element, got " + keep.shape_str());
+  OCRIA_RT_REQUIRE(HK > 0 && HV > 0 && HV % HK == 0 && dk % 4 == 0 && dv >= 1, op, "bad GdnParams");
+  OCRIA_RT_REQUIRE(C < (int64_t(1) << 31), op, "too many channels");
+  OCRIA_RT_REQUIRE(state.numel() == HV * dk * dv && state.contiguous(), op, "state " + state.shape_str());
+  const int64_t K1 = p.conv_kernel - 1;
+  OCRIA_RT_REQUIRE(K1 >= 1 && K1 < kConvMaxWidth, op, "conv width " + std::to_string(p.conv_kernel) + " unsupported (2..8)");
+  OCRIA_RT_REQUIRE(conv_state.contiguous() && conv_state.numel() == C * K1, op,
+                   "conv_state " + conv_state.shape_str() + ", expected [C, K-1] contiguous");
+  const ReplayView rec = replay_view(replay, 0, p, op);
+  activate();
+  const int64_t items = HV * (dk / 4) * ((dv + 3) / 4);
+  const int64_t state_blocks = (items + kCommitThreads - 1) / kCommitThreads;
+  const int64_t conv_blocks = (C + kCommitThreads - 1) / kCommitThreads;
+  OCRIA_RT_REQUIRE(state_blocks + conv_blocks < (int64_t(1) << 31), op, "state too large");
+  const bool vec = dv % 4 == 0 && aligned16(state.data);
+  auto launch = [&](auto kernel) {
+    launch_pdl(launch_ctx(), "gdn_commit_kernel", kernel, unsigned(state_blocks + conv_blocks), kCommitThreads, 0, rec,
+               keep.ptr<const int32_t>(), int(replay.u.dim(0)), conv_state.ptr<float>(), state.ptr<float>(), int(C),
+               int(K1), int(HK), int(HV), int(dk), int(dv), int(state_blocks));
+  };
+  vec ? launch(gdn_commit_kernel<true>) : launch(gdn_commit_kernel<false>);
 }
 
 }  // namespace ocria_rt

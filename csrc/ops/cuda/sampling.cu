@@ -91,6 +91,7 @@ struct SampleWs {
   uint32_t* ncand; // [R]
   u64* cand;       // [R][kCap]
   float* u;        // [R]
+  char* end;       // the first byte past the carved workspace
 };
 
 size_t align256(size_t x) { return (x + 255) & ~size_t(255); }
@@ -117,6 +118,7 @@ SampleWs carve(void* base, int64_t R, int64_t V, int NB) {
   w.ncand = reinterpret_cast<uint32_t*>(take(R * 4));
   w.cand = reinterpret_cast<u64*>(take(R * kCap * 8));
   w.u = reinterpret_cast<float*>(take(R * 4));
+  w.end = p;
   return w;
 }
 
@@ -359,7 +361,7 @@ __device__ __forceinline__ float row_max(const SampleWs& ws, int r, int NB) {
 template <class T>
 __global__ void __launch_bounds__(kPassThreads)
     exp_kernel(const T* __restrict__ logits, int64_t ldl, int V, int chunk, SampleWs ws, int NB, float temperature,
-               uint64_t seed, const int32_t* __restrict__ step) {
+               uint64_t seed, const int32_t* __restrict__ step, int u_row) {
   pdl_launch_dependents();
   pdl_wait();
   __shared__ float s_max;
@@ -379,7 +381,7 @@ __global__ void __launch_bounds__(kPassThreads)
   s = block_sum_double(s);
   if (threadIdx.x == 0) {
     ws.psum[r * NB + b] = s;
-    if (b == 0) ws.u[r] = uniform_hash(seed, uint64_t(uint32_t(step[0] + r)));
+    if (b == 0) ws.u[r] = uniform_hash(seed, uint64_t(uint32_t(step[0] + (u_row >= 0 ? u_row : r))));
   }
 }
 
@@ -594,17 +596,26 @@ __device__ Found find_first(const float* __restrict__ p, int V, const KeyFormat&
   return Found{0, 0, 0, false};
 }
 
-__global__ void __launch_bounds__(kSelectThreads)
-    select_kernel(int V, SampleWs ws, KeyFormat f, int top_k, u64 thr_p, bool use_p, int32_t* __restrict__ tokens,
-                  int32_t* __restrict__ step, int R) {
-  pdl_launch_dependents();
-  pdl_wait();
-  extern __shared__ __align__(16) unsigned char smem[];
+// What the sampler keeps of a row and draws from it: the token drawn with the row's u; with a
+// top-k / top-p cut, the key of the last kept candidate (keys ascend in candidate order, so the kept
+// ones are those up to it); the kept mass (fixed point). The same in every thread.
+struct RowSelection {
+  int token;
+  bool cut;
+  u64 last_key;
+  u64 mass;
+};
+
+constexpr int kSelectSmem = 2 * kCap * 8 + kBins * (8 + 4);  // keys, cum, the histogram
+
+// Kernel 5's work for row r, by one block of kSelectThreads (smem: kSelectSmem bytes of scratch).
+__device__ RowSelection select_row(int V, const SampleWs& ws, const KeyFormat& f, int top_k, u64 thr_p, bool use_p,
+                                   int r, unsigned char* smem) {
   u64* keys = reinterpret_cast<u64*>(smem);  // [kCap]
   u64* cum = keys + kCap;                     // [kCap]
   u64* hs = cum + kCap;                       // [kBins]
   uint32_t* hc = reinterpret_cast<uint32_t*>(hs + kBins);
-  const int r = blockIdx.x;
+  RowSelection sel{0, false, ~0ull, 0};
   const uint32_t* h0c = ws.hcnt + int64_t(r) * kBins;
   const u64* h0s = ws.hsum + int64_t(r) * kBins;
   const float u = ws.u[r];
@@ -631,7 +642,10 @@ __global__ void __launch_bounds__(kSelectThreads)
       L = int(min(k_eff - g.base_cnt, u64(n)));
       if (use_p) L = min(L, first_position(cum, n, kSumGE, thr_p, 0) + 1);
       mass = cum[L - 1];
+      sel.cut = true;
+      sel.last_key = keys[L - 1];
     }
+    sel.mass = mass;
     const u64 target = draw_target(mass, u);
     if (target >= g.base_sum) {  // the draw lands in the list
       const int pick = min(first_position(cum, L, kSumGT, target, 0), L - 1);
@@ -664,6 +678,9 @@ __global__ void __launch_bounds__(kSelectThreads)
       mass = s_mass;
       cut.cnt = u64(V);
     }
+    sel.cut = cut.ok;
+    sel.last_key = cut.ok ? cut.key : ~0ull;
+    sel.mass = mass;
     const Found pk = find_first(p, V, f, hc, hs, keys, cum, h0c, h0s, kSumGT, draw_target(mass, u));
     u64 key;
     if (pk.ok && pk.cnt <= cut.cnt) {
@@ -673,8 +690,20 @@ __global__ void __launch_bounds__(kSelectThreads)
     }
     token = int(key & ((u64(1) << f.ib) - 1));
   }
+  sel.token = token;
+  return sel;
+}
+
+__global__ void __launch_bounds__(kSelectThreads)
+    select_kernel(int V, SampleWs ws, KeyFormat f, int top_k, u64 thr_p, bool use_p, int32_t* __restrict__ tokens,
+                  int32_t* __restrict__ step, int R) {
+  pdl_launch_dependents();
+  pdl_wait();
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int r = blockIdx.x;
+  const RowSelection sel = select_row(V, ws, f, top_k, thr_p, use_p, r, smem);
   if (threadIdx.x == 0) {
-    tokens[r] = token;
+    tokens[r] = sel.token;
     if (r == 0) step[0] += R;  // every row read step in exp_kernel, which has finished
   }
 }
@@ -695,13 +724,13 @@ void launch_sample(const T* logits, int64_t ldl, int R, int V, const SamplerConf
   const bool use_p = cfg.top_p < 1.0f;
   const u64 thr_p = use_p ? u64(std::ceil(double(cfg.top_p) * kFix)) : 0;
   launch_pdl(ctx, "sample exp_kernel", exp_kernel<T>, dim3(NB, R), kPassThreads, 0, logits, ldl, V, chunk, ws, NB,
-             cfg.temperature, cfg.seed, step);
+             cfg.temperature, cfg.seed, step, -1);
 
   constexpr int hist_smem = kBins * (8 + 4);
   static const cudaError_t a1 = cudaFuncSetAttribute(hist_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, hist_smem);
   static const cudaError_t a2 =
       cudaFuncSetAttribute(compact_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, hist_smem);
-  constexpr int select_smem = 2 * kCap * 8 + kBins * (8 + 4);
+  constexpr int select_smem = kSelectSmem;
   static const cudaError_t a3 =
       cudaFuncSetAttribute(select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, select_smem);
   check_cuda(a1, "cudaFuncSetAttribute (sample hist_kernel)");
@@ -713,6 +742,246 @@ void launch_sample(const T* logits, int64_t ldl, int R, int V, const SamplerConf
              cfg.top_k, thr_p, use_p);
   launch_pdl(ctx, "sample select_kernel", select_kernel, R, kSelectThreads, select_smem, V, ws, f, cfg.top_k, thr_p,
              use_p, tokens, step, R);
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// speculative_accept: the rule of cpu/sampling.cpp on the sampler's own distributions.
+//
+// Greedy: max_kernel over the B rows, then one block compares the argmaxes with the drafts.
+// Sampling: kernels 1-4 over the B rows with every row's u the bonus / correction draw's,
+// uniform_hash(seed, step[0] + B - 1); then accept_select_kernel, one block per row, resolves the
+// row's cut, mass and draw from p with that u (select_row), and for a row r < B - 1
+//  - tests the draft: accepted iff u_r q_r(d) < p_r(d), p_r(d) = prob(d) / mass on the kept tokens,
+//    in double as the CPU forms it (the mass is the exact fixed-point sum, which is the CPU's double
+//    sum wherever every kept p is at least 2^-29);
+//  - if rejected, draws the correction from max(0, p - q): in fixed point (units of 2^-52 of the
+//    unnormalised p), the residual of a kept token x is P(x) - m(x), m(x) = min(P(x), q(x) M), and
+//    m is non-zero only on the at most Kq draft candidates c_1 < ... < c_n (key order). The first x
+//    whose residual prefix F(x) = Pprefix(x) - sum_{c_j <= x} m(c_j) exceeds the target lies either at
+//    a candidate or strictly between two, where F = Pprefix - (the m of the candidates before): one
+//    pass over the row gives Pprefix at every candidate (per-warp buckets in shared memory), which
+//    tells the segment, and one radix descent (find_first) finds x inside it. A zero residual falls
+//    back to the draw from p, as the CPU does.
+// accept_finish_kernel then takes the first rejection (or the bonus draw of row B - 1), writes the
+// emitted tokens and their count, and advances step by B.
+// ---------------------------------------------------------------------------------------------
+constexpr int kMaxAcceptRows = 64;   // B
+constexpr int kMaxDraftCands = 64;   // Kq
+
+struct AcceptWs {
+  int32_t* accepted;    // [B]: row r's draft passed the test
+  int32_t* correction;  // [B]: row r's correction, should it be the first rejection
+  int32_t* draw;        // [B]: row B - 1's draw (the bonus)
+};
+
+__global__ void accept_greedy_kernel(SampleWs ws, int NB, int B, const int32_t* __restrict__ draft,
+                                     int32_t* __restrict__ out, int32_t* __restrict__ count, int32_t* __restrict__ step) {
+  __shared__ int arg_s[kMaxAcceptRows];
+  pdl_launch_dependents();
+  pdl_wait();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  for (int r = warp; r < B; r += nw) {  // greedy_kernel's reduction: lowest index on ties
+    float v = -INFINITY;
+    int idx = INT_MAX;
+    for (int b = lane; b < NB; b += 32) argmax_merge(v, idx, ws.pmax[r * NB + b], ws.parg[r * NB + b]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+      argmax_merge(v, idx, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, idx, o));
+    if (lane == 0) arg_s[r] = idx == INT_MAX ? 0 : idx;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int a = 0;
+    for (; a < B - 1 && draft[a] == arg_s[a]; ++a) out[a] = draft[a];
+    out[a] = arg_s[a];
+    count[0] = a + 1;
+    step[0] += B;
+  }
+}
+
+__global__ void __launch_bounds__(kSelectThreads)
+    accept_select_kernel(int V, SampleWs ws, KeyFormat f, int top_k, u64 thr_p, bool use_p, int B,
+                         const int32_t* __restrict__ draft, const int32_t* __restrict__ cand, int64_t ldc,
+                         const float* __restrict__ cand_prob, int64_t ldq, int Kq, uint64_t seed,
+                         const int32_t* __restrict__ step, AcceptWs aw) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  // The kept draft candidates in key order: key, P (fixed-point p), m = min(P, q M), then the
+  // prefix of P through each; and what the residual draw needs.
+  __shared__ u64 c_key[kMaxDraftCands], c_P[kMaxDraftCands], c_m[kMaxDraftCands], c_pre[kMaxDraftCands];
+  __shared__ int c_id[kMaxDraftCands];
+  __shared__ int n_c, rejected, answer;
+  __shared__ bool need_descent;
+  __shared__ u64 descent_thr;
+  pdl_launch_dependents();
+  pdl_wait();
+  const int r = blockIdx.x;
+  const RowSelection sel = select_row(V, ws, f, top_k, thr_p, use_p, r, smem);
+  if (r == B - 1) {
+    if (threadIdx.x == 0) aw.draw[r] = sel.token;
+    return;
+  }
+  const float* p = ws.prob + int64_t(r) * V;
+  const u64 M = sel.mass;
+  auto kept = [&](u64 key) { return !sel.cut || key <= sel.last_key; };
+  if (threadIdx.x == 0) {
+    const int32_t* c = cand + int64_t(r) * ldc;
+    const float* qa = cand_prob + int64_t(r) * ldq;
+    const int d = draft[r];
+    double qd = 0.0;  // q_r(d), summed over the candidate slots in order as the CPU sums it
+    for (int k = 0; k < Kq; ++k)
+      if (c[k] == d) qd = __dadd_rn(qd, double(qa[k]));
+    double pd = 0.0;
+    if (d >= 0 && d < V && kept(make_key(p[d], d, f.ib))) pd = __ddiv_rn(double(p[d]), double(M) * (1.0 / kFix));
+    const float u = uniform_hash(seed, uint64_t(uint32_t(step[0])) + uint64_t(r));
+    const bool accepted = __dmul_rn(double(u), qd) < pd;
+    aw.accepted[r] = accepted;
+    aw.correction[r] = sel.token;  // the draw from p: the residual's fallback
+    rejected = !accepted;
+    int n = 0;
+    for (int k = 0; k < Kq && !accepted; ++k) {
+      const int id = c[k];
+      bool seen = id < 0 || id >= V;
+      for (int k2 = 0; k2 < k && !seen; ++k2) seen = c[k2] == id;
+      if (seen) continue;
+      const u64 key = make_key(p[id], id, f.ib);
+      if (!kept(key)) continue;
+      double q = 0.0;
+      for (int k2 = k; k2 < Kq; ++k2)
+        if (c[k2] == id) q = __dadd_rn(q, double(qa[k2]));
+      const u64 P = fixed(p[id]);
+      const u64 Qm = __double2ull_rn(fmin(fmax(q, 0.0), 1.0) * double(M));
+      int j = n++;  // insertion by key
+      for (; j > 0 && c_key[j - 1] > key; --j) {
+        c_key[j] = c_key[j - 1];
+        c_P[j] = c_P[j - 1];
+        c_m[j] = c_m[j - 1];
+        c_id[j] = c_id[j - 1];
+      }
+      c_key[j] = key;
+      c_P[j] = P;
+      c_m[j] = min(P, Qm);
+      c_id[j] = id;
+    }
+    n_c = n;
+  }
+  __syncthreads();  // also: every thread is done with select_row's scratch
+  if (!rejected) return;
+  const int nc = n_c;
+  if (nc > 0) {
+    // Pprefix at each candidate: per-warp sums of P over the keys in (c_{j-1}, c_j], then a prefix.
+    const int nw = blockDim.x >> 5, warp = threadIdx.x >> 5;
+    u64* bucket = reinterpret_cast<u64*>(smem);  // [nw][nc]
+    for (int i = threadIdx.x; i < nw * nc; i += blockDim.x) bucket[i] = 0;
+    __syncthreads();
+    const u64 last_c = c_key[nc - 1];
+    for (int i = threadIdx.x; i < V; i += blockDim.x) {
+      const float pi = p[i];
+      const u64 key = make_key(pi, i, f.ib);
+      if (key > last_c) continue;
+      int lo = 0, hi = nc - 1;  // the first candidate at or after key
+      while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (key <= c_key[mid]) hi = mid;
+        else lo = mid + 1;
+      }
+      atomicAdd(&bucket[warp * nc + lo], fixed(pi));
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      u64 pre = 0;
+      for (int j = 0; j < nc; ++j) {
+        for (int w = 0; w < nw; ++w) pre += bucket[w * nc + j];
+        c_pre[j] = pre;
+      }
+      u64 D = 0;
+      for (int j = 0; j < nc; ++j) D += c_m[j];
+      const u64 total = M - D;  // the residual's mass
+      answer = sel.token;
+      need_descent = false;
+      if (total > 0) {
+        const u64 target = draw_target(total, ws.u[r]);
+        D = 0;
+        for (int j = 0;; ++j) {
+          // segment j: the keys strictly between c_{j-1} and c_j, where F = Pprefix - D
+          if (j == nc || c_pre[j] - c_P[j] > target + D) {
+            need_descent = true;
+            descent_thr = target + D;
+            break;
+          }
+          if (c_pre[j] - D - c_m[j] > target) {  // F at c_j itself
+            answer = c_id[j];
+            break;
+          }
+          D += c_m[j];
+        }
+      }
+    }
+    __syncthreads();
+    if (need_descent) {
+      u64* keys = reinterpret_cast<u64*>(smem);
+      u64* cum = keys + kCap;
+      u64* hs = cum + kCap;
+      uint32_t* hc = reinterpret_cast<uint32_t*>(hs + kBins);
+      const Found x = find_first(p, V, f, hc, hs, keys, cum, ws.hcnt + int64_t(r) * kBins, ws.hsum + int64_t(r) * kBins,
+                                 kSumGT, descent_thr);
+      if (threadIdx.x == 0 && x.ok) answer = int(x.key & ((u64(1) << f.ib) - 1));
+    }
+    if (threadIdx.x == 0) aw.correction[r] = answer;
+  }
+}
+
+__global__ void accept_finish_kernel(AcceptWs aw, const int32_t* __restrict__ draft, int B, int32_t* __restrict__ out,
+                                     int32_t* __restrict__ count, int32_t* __restrict__ step) {
+  pdl_launch_dependents();
+  pdl_wait();
+  if (threadIdx.x != 0) return;
+  int a = 0;
+  for (; a < B - 1 && aw.accepted[a]; ++a) out[a] = draft[a];
+  out[a] = a < B - 1 ? aw.correction[a] : aw.draw[B - 1];
+  count[0] = a + 1;
+  step[0] += B;  // every kernel that read step has finished
+}
+
+template <class T>
+void launch_accept(const T* logits, int64_t ldl, int B, int V, const SamplerConfig& cfg, const int32_t* draft,
+                   const int32_t* cand, int64_t ldc, const float* cand_prob, int64_t ldq, int Kq, int32_t* step,
+                   int32_t* out, int32_t* count, void* workspace, int NB, const LaunchCtx& ctx) {
+  const int chunk = (V + NB - 1) / NB;
+  const SampleWs ws = carve(workspace, B, V, NB);
+  const bool greedy = !(cfg.temperature > 0.0f);
+  launch_pdl(ctx, "speculative_accept max_kernel", max_kernel<T>, dim3(NB, B), kPassThreads, 0, logits, ldl, V, chunk,
+             ws, NB, !greedy);
+  if (greedy) {
+    launch_pdl(ctx, "accept_greedy_kernel", accept_greedy_kernel, 1, 32 * std::min(B, 32), 0, ws, NB, B, draft, out,
+               count, step);
+    return;
+  }
+  AcceptWs aw;
+  aw.accepted = reinterpret_cast<int32_t*>(ws.end);
+  aw.correction = aw.accepted + B;
+  aw.draw = aw.correction + B;
+  const KeyFormat f = key_format(V);
+  const bool use_p = cfg.top_p < 1.0f;
+  const u64 thr_p = use_p ? u64(std::ceil(double(cfg.top_p) * kFix)) : 0;
+  launch_pdl(ctx, "speculative_accept exp_kernel", exp_kernel<T>, dim3(NB, B), kPassThreads, 0, logits, ldl, V, chunk,
+             ws, NB, cfg.temperature, cfg.seed, step, B - 1);
+  constexpr int hist_smem = kBins * (8 + 4);
+  static const cudaError_t a1 = cudaFuncSetAttribute(hist_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, hist_smem);
+  static const cudaError_t a2 =
+      cudaFuncSetAttribute(compact_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, hist_smem);
+  static const cudaError_t a3 =
+      cudaFuncSetAttribute(accept_select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSelectSmem);
+  check_cuda(a1, "cudaFuncSetAttribute (sample hist_kernel)");
+  check_cuda(a2, "cudaFuncSetAttribute (sample compact_kernel)");
+  check_cuda(a3, "cudaFuncSetAttribute (accept_select_kernel)");
+  launch_pdl(ctx, "speculative_accept hist_kernel", hist_kernel, dim3(NB, B), kPassThreads, hist_smem, V, chunk, ws, NB,
+             f);
+  launch_pdl(ctx, "speculative_accept compact_kernel", compact_kernel, dim3(NB, B), kPassThreads, hist_smem, V, chunk,
+             ws, f, cfg.top_k, thr_p, use_p);
+  launch_pdl(ctx, "accept_select_kernel", accept_select_kernel, B, kSelectThreads, kSelectSmem, V, ws, f, cfg.top_k,
+             thr_p, use_p, B, draft, cand, ldc, cand_prob, ldq, Kq, cfg.seed, step, aw);
+  launch_pdl(ctx, "accept_finish_kernel", accept_finish_kernel, 1, 32, 0, aw, draft, B, out, count, step);
 }
 
 }  // namespace
@@ -748,6 +1017,49 @@ void CudaBackend::sample(const Tensor& logits, const SamplerConfig& config, cons
       launch_sample<float>(logits.ptr<const float>() + r0 * ldl, ldl, rg, int(V), config, step.ptr<int32_t>(),
                            tokens.ptr<int32_t>() + r0, workspace_, NB, launch_ctx());
   }
+}
+
+void CudaBackend::speculative_accept(const Tensor& logits, const Tensor& draft, const Tensor& cand,
+                                     const Tensor& cand_prob, const SamplerConfig& config, const Tensor& step,
+                                     const Tensor& out, const Tensor& count) {
+  using namespace cuda;
+  const char* op = "speculative_accept";
+  require_float(logits, op, "logits");
+  require_tensor(draft, DType::I32, op, "draft");
+  require_tensor(cand, DType::I32, op, "cand");
+  require_tensor(cand_prob, DType::F32, op, "cand_prob");
+  require_tensor(step, DType::I32, op, "step");
+  require_tensor(out, DType::I32, op, "out");
+  require_tensor(count, DType::I32, op, "count");
+  OCRIA_RT_REQUIRE(logits.ndim == 2 && cand.ndim == 2 && cand_prob.ndim == 2, op, "logits, cand, cand_prob must be 2-D");
+  const int64_t B = logits.dim(0), V = logits.dim(1), Kq = cand.dim(1);
+  OCRIA_RT_REQUIRE(B >= 1 && B <= kMaxAcceptRows, op, std::to_string(B) + " rows unsupported (1.." +
+                                                           std::to_string(kMaxAcceptRows) + ")");
+  OCRIA_RT_REQUIRE(Kq >= 1 && Kq <= kMaxDraftCands, op, "draft candidates " + std::to_string(Kq) + " unsupported (1.." +
+                                                            std::to_string(kMaxDraftCands) + ")");
+  OCRIA_RT_REQUIRE(draft.numel() == B - 1 && cand.dim(0) == B - 1 && cand_prob.dim(0) == B - 1 &&
+                       cand_prob.dim(1) == Kq && out.numel() == B && out.contiguous() && count.numel() == 1 &&
+                       step.numel() == 1,
+                   op, "logits " + logits.shape_str() + ", draft " + draft.shape_str() + ", cand " + cand.shape_str() +
+                           ", cand_prob " + cand_prob.shape_str() + ", out " + out.shape_str());
+  OCRIA_RT_REQUIRE(V > 0 && V <= (int64_t(1) << 30), op, "vocabulary size " + std::to_string(V) + " out of range");
+  OCRIA_RT_REQUIRE(!(config.temperature > 0.0f) || (config.top_p > 0.0f), op, "top_p must be > 0");
+  const int NB = int(std::clamp<int64_t>((V + 4095) / 4096, 1, 128));
+  // All B rows at once (the first rejection decides which row's draw is emitted), then B * 3 results.
+  OCRIA_RT_REQUIRE(size_t(B) * ws_bytes_per_row(V, NB) + 256 + size_t(3 * B) * sizeof(int32_t) <= workspace_bytes_, op,
+                   "workspace too small for " + std::to_string(B) + " rows of " + std::to_string(V) +
+                       " logits: call reserve_workspace()");
+  activate();
+  const int32_t* d = draft.ptr<const int32_t>();
+  const int32_t* c = cand.ptr<const int32_t>();
+  if (logits.dtype == DType::BF16)
+    launch_accept<bf16>(logits.ptr<const bf16>(), logits.row_stride, int(B), int(V), config, d, c, cand.row_stride,
+                        cand_prob.ptr<const float>(), cand_prob.row_stride, int(Kq), step.ptr<int32_t>(),
+                        out.ptr<int32_t>(), count.ptr<int32_t>(), workspace_, NB, launch_ctx());
+  else
+    launch_accept<float>(logits.ptr<const float>(), logits.row_stride, int(B), int(V), config, d, c, cand.row_stride,
+                         cand_prob.ptr<const float>(), cand_prob.row_stride, int(Kq), step.ptr<int32_t>(),
+                         out.ptr<int32_t>(), count.ptr<int32_t>(), workspace_, NB, launch_ctx());
 }
 
 }  // namespace ocria_rt
