@@ -280,6 +280,19 @@ def test_speculative_off_and_errors(tmp_path):
     broken(lambda c: c.update(head_dim=32), "self_attn.*has shape")  # the tensors no longer fit the config
 
 
+@pytest.mark.parametrize("name", ["dflash_sliding", "dflash2_tied"])
+def test_linear_observer_passes_the_speculative_ops(name):
+    """An engine whose backend is wrapped in the linear observer decodes speculatively as the plain
+    one does: the observer hands the drafter's, verify's and acceptance's ops to the wrapped backend."""
+    observed = ocria_rt.Engine(target_dir(name), drafter=DRAFTERS / name, num_threads=1, linear_observer=True)
+    for temperature in (0.0, 0.8):
+        kw = dict(stop_token_ids=[], temperature=temperature, seed=5)
+        got = observed.generate([3, 1, 4, 1, 5], 7, **kw)
+        want = engine(name).generate([3, 1, 4, 1, 5], 7, **kw)
+        assert got.token_ids == want.token_ids and got.acceptance_lengths == want.acceptance_lengths
+        assert sum(got.acceptance_lengths) == 6
+
+
 def test_cli_generate_with_drafter():
     out = io.StringIO()
     with redirect_stdout(out):

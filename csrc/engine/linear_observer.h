@@ -111,6 +111,39 @@ class LinearObserver final : public Backend {
   }
   void increment(const Tensor& counter, int32_t by) override { inner_->increment(counter, by); }
   void copy(const Tensor& dst, const Tensor& src) override { inner_->copy(dst, src); }
+  void gdn_verify(const Tensor& proj, const Tensor& conv_weight, const Tensor& conv_state, const Tensor& A_log,
+                  const Tensor& dt_bias, const Tensor& norm_weight, const Tensor& state, const GdnParams& p,
+                  const Tensor& conv_out, const Tensor& o, const Tensor& out, const GdnReplay& replay) override {
+    inner_->gdn_verify(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, p, conv_out, o, out, replay);
+  }
+  void gdn_commit(const GdnReplay& replay, const Tensor& keep, const GdnParams& p, const Tensor& conv_state,
+                  const Tensor& state) override {
+    inner_->gdn_commit(replay, keep, p, conv_state, state);
+  }
+  void draft_store_kv(const Tensor& kv, const Tensor& k_norm, const Tensor& positions, const AttentionParams& p,
+                      const Tensor& k_cache, const Tensor& v_cache) override {
+    inner_->draft_store_kv(kv, k_norm, positions, p, k_cache, v_cache);
+  }
+  void draft_attention(const Tensor& q, const Tensor& q_norm, const Tensor& positions, const Tensor& k_cache,
+                       const Tensor& v_cache, const AttentionParams& p, const DraftMask& mask, const Tensor& out) override {
+    inner_->draft_attention(q, q_norm, positions, k_cache, v_cache, p, mask, out);
+  }
+  void dynamic_conv(const Tensor& x, const Tensor& dyn, const Tensor& base, int64_t group, const Tensor& out) override {
+    inner_->dynamic_conv(x, dyn, base, group, out);
+  }
+  void scale_softcap(const Tensor& x, float multiplier, float softcap) override {
+    inner_->scale_softcap(x, multiplier, softcap);
+  }
+  void selector_walk(const Tensor& logits, const Tensor& h, const Tensor& pred, const Tensor& succ, const Tensor& anchor,
+                     float temperature, uint64_t seed, const Tensor& step, const Tensor& tokens, const Tensor& cand,
+                     const Tensor& cand_prob) override {
+    inner_->selector_walk(logits, h, pred, succ, anchor, temperature, seed, step, tokens, cand, cand_prob);
+  }
+  void speculative_accept(const Tensor& logits, const Tensor& draft, const Tensor& cand, const Tensor& cand_prob,
+                          const SamplerConfig& config, const Tensor& step, const Tensor& out,
+                          const Tensor& count) override {
+    inner_->speculative_accept(logits, draft, cand, cand_prob, config, step, out, count);
+  }
   void speculative_advance(const Tensor& count, const Tensor& tokens, const Tensor& positions,
                            const Tensor& rope_positions, const Tensor& draft_ids, const Tensor& verify_ids,
                            const Tensor& step) override {
