@@ -409,8 +409,17 @@ class EngineImpl final : public Engine {
     const bool same_sampler = graph_sampler_.temperature == sampler_.temperature && graph_sampler_.top_k == sampler_.top_k &&
                               graph_sampler_.top_p == sampler_.top_p && graph_sampler_.seed == sampler_.seed;
     if (!graph_ready_ || !same_sampler) {
+      graph_ready_ = false;
       backend_->begin_capture();
-      decode_ops();
+      try {
+        decode_ops();
+      } catch (...) {  // the stream must leave capture mode; the partial graph is never replayed
+        try {
+          backend_->end_capture(kDecodeGraph);
+        } catch (...) {
+        }
+        throw;
+      }
       backend_->end_capture(kDecodeGraph);
       graph_ready_ = true;
       graph_sampler_ = sampler_;
