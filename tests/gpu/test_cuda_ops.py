@@ -431,6 +431,32 @@ def test_linear_quantized_modelopt_weights(cpu, gpu, fmt, M, K, N):
     assert relerr(gpu.linear(x, w), cpu.linear(x, w)) <= OUT_TOL
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("M,K,N", [(17, 256, 33000), (20, 2560, 13256)])
+def test_linear_quantized_slabs(cpu, gpu, fmt, M, K, N):
+    """Prefill through dequantized rows in two slabs of the 64 MiB scratch (at most 32768 rows; for
+    K = 2560 the 13107 rows that fit rounded down to 13056): each slab's columns of out and of the
+    bias, BF16 out (CUTLASS per slab) and F32 out (the tiled GEMM per slab)."""
+    rng = np.random.default_rng(M + K + N)
+    w = quant_weight(rng, fmt, N, K, input_scale=True)
+    x, bias = randn(rng, M, K), randn(rng, N)
+    assert relerr(gpu.linear(x, w, bias), cpu.linear(x, w, bias)) <= OUT_TOL
+    assert relerr(gpu.linear(x, w, bias, True), cpu.linear(x, w, bias)) <= OUT_TOL
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_linear_quantized_no_inputs(gpu, fmt):
+    """K = 0 (no products, no rows to dequantize): out is the bias, as for a dense weight."""
+    N = 40
+    bits = np.zeros((N, 0), np.uint8)
+    block_scale = np.zeros((N, 0), np.uint8) if fmt == "nvfp4" else None
+    w = _core.QuantWeight(fmt, bits, block_scale, np.ones(N, np.float32))
+    bias = randn(np.random.default_rng(3), N)
+    x = np.zeros((3, 0), np.float32)
+    np.testing.assert_array_equal(gpu.linear(x, w, bias, True), np.broadcast_to(bias, (3, N)))
+    np.testing.assert_array_equal(gpu.linear(x, w), np.zeros((3, N), np.float32))
+
+
 # fmt, M, K, I (GLU: N = 2I): the 4B's gate_up at one token (persistent), one and two token tiles,
 # a prefill size, and K the skinny GEMM cannot take.
 QUANT_GLU_CASES = [(fmt, M, K, I) for fmt in ("fp8", "nvfp4")

@@ -230,12 +230,6 @@ __device__ __forceinline__ int load_hint(const int32_t* p) {
   return v;
 }
 
-// L2 prefetch of this block's split of the K and V caches, before pdl_wait(), where the split is short
-// (short contexts, whose attention is latency-bound: 1k context 9.6 -> 7.9 us per layer on the H200;
-// prefetching the first 64 rows of the long splits of a 32k context gained nothing). In decode the
-// cache has long left L2 (each step streams the weights through it), and the split's rows are known
-// but for the length, which an earlier kernel of the step writes. A length read too early prefetches
-// other rows of the cache (clamped to its capacity), which costs bandwidth, not correctness.
 // L2 prefetch of kv head kvh's K and V in cache rows start .. start + rows - 1 (none for rows <= 0), by
 // the threads of the block.
 template <int HD>
@@ -249,6 +243,12 @@ __device__ __forceinline__ void prefetch_kv_rows(const bf16* k_cache, const bf16
   }
 }
 
+// L2 prefetch of this block's split of the K and V caches, before pdl_wait(), where the split is short
+// (short contexts, whose attention is latency-bound: 1k context 9.6 -> 7.9 us per layer on the H200;
+// prefetching the first 64 rows of the long splits of a 32k context gained nothing). In decode the
+// cache has long left L2 (each step streams the weights through it), and the split's rows are known
+// but for the length, which an earlier kernel of the step writes. A length read too early prefetches
+// other rows of the cache (clamped to its capacity), which costs bandwidth, not correctness.
 template <int HD>
 __device__ __forceinline__ void prefetch_split_rows(const bf16* k_cache, const bf16* v_cache, int64_t ldc,
                                                     const int32_t* position, int capacity, int nsplit, int split,

@@ -1059,6 +1059,10 @@ void dense_gemm(const LinearArgs& a, OutT* out, int64_t ldo, void* workspace, si
 template <class OutT>
 void linear_dequantized(const LinearArgs& a, OutT* out, int64_t ldo, bf16* scratch, void* workspace,
                         size_t workspace_bytes, int sm_count, cudaStream_t stream) {
+  if (a.K == 0) {  // no products and no rows to dequantize: out = bias (dense_gemm reads no W then)
+    dense_gemm(a, out, ldo, workspace, workspace_bytes, sm_count, stream);
+    return;
+  }
   const int64_t row_bytes = int64_t(a.K) * int64_t(sizeof(bf16));
   int64_t slab = std::min<int64_t>(int64_t(CudaBackend::kDequantScratchBytes) / row_bytes, 32768);
   OCRIA_RT_REQUIRE(slab >= 1, "linear", "K = " + std::to_string(a.K) + " too large for the dequantization scratch");
