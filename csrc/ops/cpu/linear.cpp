@@ -1,3 +1,4 @@
+#include <array>
 #include <vector>
 
 #include "core/float_convert.h"
@@ -41,20 +42,37 @@ void check_weight(const LinearWeight& w, int64_t K, int64_t N) {
   }
 }
 
-// out[0:K] = row n of W, dequantized to fp32 (the formulas of ops.h).
+// e4m3 code -> its fp32 value, for every code (a table: the decode is per weight element).
+const std::array<float, 256>& e4m3_table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int c = 0; c < 256; ++c) t[size_t(c)] = e4m3_to_float(uint8_t(c));
+    return t;
+  }();
+  return table;
+}
+
+// out[0:K] = row n of W, dequantized to fp32 (the formulas of ops.h, rounded in their order:
+// (e2m1 * block scale), exact, then times the row scale).
 void dequantize_row(const LinearWeight& w, int64_t n, int64_t K, float* out) {
   const float row_scale = w.row_scale.ptr<const float>()[n];
+  const std::array<float, 256>& e4m3 = e4m3_table();
   if (w.format == Format::kFp8) {
     const uint8_t* q = w.weight.ptr<const uint8_t>() + n * K;
-    for (int64_t k = 0; k < K; ++k) out[k] = e4m3_to_float(q[k]) * row_scale;
+    for (int64_t k = 0; k < K; ++k) out[k] = e4m3[q[k]] * row_scale;
     return;
   }
+  constexpr int64_t kBlock = LinearWeight::kNvfp4Block;
   const uint8_t* packed = w.weight.ptr<const uint8_t>() + n * (K / 2);
-  const uint8_t* block_scale = w.block_scale.ptr<const uint8_t>() + n * (K / LinearWeight::kNvfp4Block);
-  for (int64_t k = 0; k < K; ++k) {
-    const uint8_t byte = packed[k / 2];
-    const uint8_t code = (k % 2 == 0) ? (byte & 0xF) : (byte >> 4);  // element 2j low, 2j + 1 high
-    out[k] = e2m1_to_float(code) * e4m3_to_float(block_scale[k / LinearWeight::kNvfp4Block]) * row_scale;
+  const uint8_t* block_scale = w.block_scale.ptr<const uint8_t>() + n * (K / kBlock);
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    float scaled[16];  // e2m1 code -> its value times this block's scale
+    for (uint8_t c = 0; c < 16; ++c) scaled[c] = e2m1_to_float(c) * e4m3[block_scale[b]];
+    for (int64_t j = 0; j < kBlock / 2; ++j) {
+      const uint8_t byte = packed[b * kBlock / 2 + j];  // element 2j in the low nibble, 2j + 1 in the high one
+      out[b * kBlock + 2 * j] = scaled[byte & 0xF] * row_scale;
+      out[b * kBlock + 2 * j + 1] = scaled[byte >> 4] * row_scale;
+    }
   }
 }
 
