@@ -25,6 +25,8 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -53,6 +55,22 @@ class QuantizationResult:
 
     def table(self) -> str:
         return format_table(self.report)
+
+
+class _Seconds:
+    """Wall-clock seconds per stage of a run (the report's "seconds"): `with seconds("stage"):` adds the
+    block's time to the stage; nested names ("sensitivity/kl") split a stage."""
+
+    def __init__(self) -> None:
+        self.by_stage: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.by_stage[stage] = self.by_stage.get(stage, 0.0) + time.perf_counter() - t0
 
 
 class _Progress:
@@ -133,6 +151,7 @@ def quantize(
     from .. import _core
     from ..engine import Engine
 
+    t_start = time.perf_counter()
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if recipe not in RECIPES:
         raise InvalidArgumentError(f"recipe must be one of {', '.join(RECIPES)}, got {recipe!r}")
@@ -158,7 +177,9 @@ def quantize(
         calibration.check_files(calib, bool(config["has_vision"]))
 
     bar = _Progress(progress, progress_stream)
-    eng = Engine(model_dir, device=device, num_threads=num_threads, linear_observer=True)
+    seconds = _Seconds()
+    with seconds("load"):
+        eng = Engine(model_dir, device=device, num_threads=num_threads, linear_observer=True)
     groups = writer.projection_groups(eng.linear_groups())
     quantized = [g for g in groups if g.slot_format != "dense"]
     if quantized:
@@ -183,24 +204,27 @@ def quantize(
 
     # 1. calibration samples, statistics and the reference next-token distributions
     n = DEFAULT_CALIBRATION_PAGES if calib is None and calib_synthetic is None else (calib_synthetic or 0)
-    if calib is not None:
-        bar.start("calibration inputs", len(calib))
-        samples = calibration.file_samples(eng, calib, max_new_tokens, tick=bar.tick)
-    else:
-        bar.start("calibration pages", n)
-        samples = calibration.synthetic_samples(eng, n, seed, page_config, tick=bar.tick)
+    with seconds("calibration samples"):
+        if calib is not None:
+            bar.start("calibration inputs", len(calib))
+            samples = calibration.file_samples(eng, calib, max_new_tokens, tick=bar.tick)
+        else:
+            bar.start("calibration pages", n)
+            samples = calibration.synthetic_samples(eng, n, seed, page_config, tick=bar.tick)
     if heldout is not None and len(samples) < int(heldout) + 1:
         raise InvalidArgumentError(f"heldout={heldout} leaves no calibration sample of {len(samples)}")
     n_held = int(heldout) if heldout is not None else (max(1, len(samples) // 4) if len(samples) > 1 else 0)
     calib_set = samples[: len(samples) - n_held]
     held = samples[len(samples) - n_held :] or samples  # a single sample serves both
     bar.start("input statistics", len(calib_set))
-    stats = calibration.collect_stats(eng, calib_set, tick=bar.tick)
+    with seconds("input statistics"):
+        stats = calibration.collect_stats(eng, calib_set, tick=bar.tick)
     bar.start("reference outputs", len(held))
     reference = []
-    for s in held:
-        reference.append(calibration.continuation_logprobs(eng, s))
-        bar.tick()
+    with seconds("reference outputs"):
+        for s in held:
+            reference.append(calibration.continuation_logprobs(eng, s))
+            bar.tick()
 
     # 2. each group alone in each candidate format
     shapes = writer.Shapes.of(config)
@@ -209,14 +233,19 @@ def quantize(
     work = [(g, f) for g in candidates for f in trial_formats[g.name]]
     bar.start("sensitivity", len(work))
     for g, fmt in work:
-        parts = [source.get(m) for m in g.modules]
-        gq = quantize_group(parts, fmt, stats[g.slot], method, writer.tie_classes(g, shapes))
-        for m, w in zip(g.modules, gq.effective()):
-            eng.set_linear_weight(m, w)
+        with seconds("sensitivity/read weights"):
+            parts = [source.get(m) for m in g.modules]
+        with seconds("sensitivity/quantize"):
+            gq = quantize_group(parts, fmt, stats[g.slot], method, writer.tie_classes(g, shapes))
         try:
-            kl = calibration.kl_divergence(eng, held, reference)
+            with seconds("sensitivity/set weights"):
+                for m, w in zip(g.modules, gq.effective()):
+                    eng.set_linear_weight(m, w)
+            with seconds("sensitivity/kl"):
+                kl = calibration.kl_divergence(eng, held, reference)
         finally:
-            eng.restore_linear_weights()
+            with seconds("sensitivity/restore"):
+                eng.restore_linear_weights()
         trials[g.name][fmt] = {"kl": kl, "alpha": gq.alpha, "output_error": gq.error, "rtn_output_error": gq.rtn_error,
                                "searched_blocks": gq.searched_blocks}
         bar.tick()
@@ -238,21 +267,27 @@ def quantize(
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's directory is private
     try:
         bar.start("writing", 1)
-        built = writer.write_checkpoint(tmp, model_dir, ck, groups, full_plan, stats, method, shapes)
+        with seconds("writing"):
+            built = writer.write_checkpoint(tmp, model_dir, ck, groups, full_plan, stats, method, shapes)
         bar.tick()
         del eng
         bar.start("checking", len(held))
-        check = Engine(tmp, device=device, num_threads=num_threads)
+        with seconds("checking/load"):
+            check = Engine(tmp, device=device, num_threads=num_threads)
         total_kl = 0.0
-        for s, ref in zip(held, reference):
-            total_kl += calibration.kl_divergence(check, [s], [ref]) * len(ref)
-            bar.tick()
+        with seconds("checking/kl"):
+            for s, ref in zip(held, reference):
+                total_kl += calibration.kl_divergence(check, [s], [ref]) * len(ref)
+                bar.tick()
         measured_kl = total_kl / max(sum(len(r) for r in reference), 1)
         report = _report(model_dir, recipe, method, built, groups, full_plan, trials, nbytes, ck, samples, calib_set,
                          held, n_held, measured_kl, budget, budget_bytes, max_kl, check.stats(), tmp)
         del check
+        with seconds("report"):
+            write_kl_plot(tmp / PLOT_NAME, report)
+        report["seconds"] = {k: round(v, 3) for k, v in seconds.by_stage.items()}
+        report["seconds"]["total"] = round(time.perf_counter() - t_start, 3)
         (tmp / REPORT_NAME).write_text(json.dumps(report, indent=1) + "\n")
-        write_kl_plot(tmp / PLOT_NAME, report)
         _replace(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
