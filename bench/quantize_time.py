@@ -128,20 +128,20 @@ def write_random_checkpoint(directory: Path, text: dict, vision: dict, seed: int
 
 
 def stage_rows(seconds: dict[str, float]) -> list[dict]:
-    """The table's rows: each stage, its parts indented under it, the total last."""
+    """The table's rows: each stage (its own figure, else the sum of its parts), its parts indented under
+    it, what no stage holds, the total last."""
     total = seconds["total"]
-    tops: dict[str, float] = {}
-    for k, v in seconds.items():
-        if k != "total":
-            tops[k.split("/")[0]] = tops.get(k.split("/")[0], 0.0) + (v if "/" in k or k not in tops else 0.0)
-    rows = []
-    for top, v in tops.items():
+    tops = list(dict.fromkeys(k.split("/")[0] for k in seconds if k != "total"))
+    rows, accounted = [], 0.0
+    for top in tops:
+        parts = {k.split("/", 1)[1]: v for k, v in seconds.items() if k.startswith(top + "/")}
+        v = seconds.get(top, sum(parts.values()))
+        accounted += v
         rows.append({"stage": top, "seconds": f"{v:.2f}", "share": f"{v / total:.1%}"})
-        for k, part in seconds.items():
-            if k.startswith(top + "/"):
-                rows.append({"stage": "  " + k.split("/", 1)[1], "seconds": f"{part:.2f}", "share": f"{part / total:.1%}"})
-    other = total - sum(tops.values())
-    rows.append({"stage": "other (plan, folds into the report, moving files)", "seconds": f"{other:.2f}",
+        rows += [{"stage": "  " + name, "seconds": f"{part:.2f}", "share": f"{part / total:.1%}"}
+                 for name, part in parts.items()]
+    other = total - accounted
+    rows.append({"stage": "other (the plan, the report, moving files)", "seconds": f"{other:.2f}",
                  "share": f"{other / total:.1%}"})
     rows.append({"stage": "total", "seconds": f"{total:.2f}", "share": "100%"})
     return rows
