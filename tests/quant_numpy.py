@@ -6,6 +6,9 @@ tests/fixtures/make_quant_fixtures.py to build the reference models and by tests
 
 Weight-only semantics: input scales are ignored; a pre_quant_scale s (x is multiplied by s before the
 product) is folded into the weight's columns, W[:, k] * s[k].
+
+The encoding section is the reference of the codes ocria_rt.quantize writes (its library's
+csrc/engine/weight_codes.cpp must match it bit for bit): the rules of QUANT.md with numpy alone.
 """
 
 from __future__ import annotations
@@ -192,3 +195,79 @@ def dense_equivalent(tensors: dict[str, Tensor]) -> dict[str, np.ndarray]:
     for module, fmt in formats.items():
         out[module + ".weight"] = dequant_linear(tensors, module, fmt)
     return out
+
+
+# ---- encoding (the reference of csrc/engine/weight_codes.cpp) ----
+
+_E4M3_POSITIVE = E4M3_TABLE[:0x7F]  # codes 0 .. 126: ascending, finite
+_E2M1_MIDPOINTS = (E2M1_VALUES[:-1] + E2M1_VALUES[1:]) / 2
+
+
+def encode_e4m3(x: np.ndarray) -> np.ndarray:
+    """float32 -> E4M3 codes: the nearest value, ties to the even code, |x| above 448 saturating, -0 keeping
+    its sign bit (as torch's cast)."""
+    x = np.asarray(x, np.float32)
+    mag = np.minimum(np.abs(x), np.float32(448.0))
+    hi = np.clip(np.searchsorted(_E4M3_POSITIVE, mag, side="left"), 1, 0x7E)  # first value >= mag
+    lo = hi - 1
+    d_lo, d_hi = mag - _E4M3_POSITIVE[lo], _E4M3_POSITIVE[hi] - mag
+    code = np.where((d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0)), hi, lo)
+    code = np.where(mag <= 0, 0, code)
+    return (code | np.where(np.signbit(x), 0x80, 0)).astype(np.uint8)
+
+
+def encode_e2m1(q: np.ndarray) -> np.ndarray:
+    """float32 (divided by its scales) -> 4-bit codes: bit 3 the sign (of -0 too), bits 0-2 the index of the
+    nearest magnitude (ties to the even index; above 6 saturates)."""
+    mag = np.abs(np.asarray(q, np.float32))
+    index = np.zeros(mag.shape, np.uint8)
+    for i, m in enumerate(_E2M1_MIDPOINTS):
+        index += (mag >= m) if i % 2 else (mag > m)  # a tie goes up only from an odd index
+    return index | np.where(np.signbit(q), 8, 0).astype(np.uint8)
+
+
+def pack_e2m1(codes: np.ndarray) -> np.ndarray:
+    """[N, K] codes -> [N, K/2] bytes, element 2j in the low nibble of byte j."""
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+
+
+def block_amax(w: np.ndarray) -> np.ndarray:
+    n, k = w.shape
+    return np.abs(w).reshape(n, k // NVFP4_BLOCK, NVFP4_BLOCK).max(axis=2)
+
+
+def nvfp4_block_scales(amax: np.ndarray, global_scale: np.float32, clip: float = 1.0) -> np.ndarray:
+    """E4M3 codes of the block scales amax * clip / (6 * global_scale), clamped to [2^-9, 448]; 1.0 for an
+    all-zero block."""
+    ideal = (amax.astype(np.float32) * np.float32(clip)) / (np.float32(6.0) * np.float32(global_scale))
+    codes = encode_e4m3(np.clip(ideal, np.float32(2.0**-9), np.float32(448.0)))
+    return np.where(amax > 0, codes, encode_e4m3(np.float32(1.0))).astype(np.uint8)
+
+
+def nvfp4_codes(w: np.ndarray, block_scale: np.ndarray, global_scale: np.float32) -> np.ndarray:
+    """Unpacked E2M1 codes [N, K] of w under the block scale codes and the global scale."""
+    scale = np.repeat(E4M3_TABLE[block_scale], NVFP4_BLOCK, axis=1) * np.float32(global_scale)
+    return encode_e2m1(np.asarray(w, np.float32) / scale)
+
+
+def nvfp4_block_errors(w: np.ndarray, global_scale: np.float32, block_moments: np.ndarray, clip: float,
+                       dtype=np.float64) -> tuple[np.ndarray, np.ndarray]:
+    """The block scales of factor `clip` and each block's d^T C_b d (d = w - its dequantization), [N, K/16],
+    the quadratic form evaluated in `dtype`."""
+    n, k = w.shape
+    bs = nvfp4_block_scales(block_amax(w), global_scale, clip)
+    deq = dequant_nvfp4(pack_e2m1(nvfp4_codes(w, bs, global_scale)), E4M3_TABLE[bs], float(global_scale))
+    d = (w - deq).reshape(n, k // NVFP4_BLOCK, NVFP4_BLOCK).astype(dtype)
+    return bs, np.einsum("nbi,bij,nbj->nb", d, block_moments.astype(dtype), d)
+
+
+def nvfp4_searched_block_scales(w: np.ndarray, global_scale: np.float32, block_moments: np.ndarray,
+                                factors: np.ndarray, dtype=np.float64) -> tuple[np.ndarray, np.ndarray]:
+    """Each block's scale of the factor (in order; the first of equal errors) with the least d^T C_b d, and
+    the errors of every factor [factors, N, K/16]."""
+    best, errs = None, []
+    for c in factors:
+        bs, err = nvfp4_block_errors(w, global_scale, block_moments, float(c), dtype)
+        best = bs if best is None else np.where(err < np.min(errs, axis=0), bs, best)
+        errs.append(err)
+    return best, np.array(errs)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -43,22 +44,94 @@ def run(tmp, src=TEXT, name="q", **kw):
 
 # ---- codes ----
 
+def e2m1_codes(q: np.ndarray) -> np.ndarray:
+    """The library's E2M1 codes of values already divided by their scales: blocks whose largest value is 6
+    with global scale 1 get block scale 1."""
+    w = np.concatenate([np.full((len(q), 1), 6.0, np.float32), q[:, None], np.zeros((len(q), 14), np.float32)], 1)
+    bs, packed, _ = F.nvfp4_quantize(w, np.float32(1.0))
+    assert (bs == 0x38).all()
+    return packed[:, 0] >> 4
+
+
 def test_e4m3_and_e2m1_rounding():
     finite = np.array([c for c in range(1, 0x7F)], np.uint8)
     values = F.e4m3_decode(finite)
-    np.testing.assert_array_equal(F.e4m3_encode(values), finite)
-    np.testing.assert_array_equal(F.e4m3_encode(-values), finite | 0x80)
+    np.testing.assert_array_equal(F.fp8_quantize(values, 1.0), finite)
+    np.testing.assert_array_equal(F.fp8_quantize(-values, 1.0), finite | 0x80)
     mid = (values[:-1] + values[1:]) / 2  # ties go to the even code
     want = np.where(finite[:-1] % 2 == 0, finite[:-1], finite[1:])
-    np.testing.assert_array_equal(F.e4m3_encode(mid), want)
-    assert F.e4m3_encode(np.float32(1e6)) == 0x7E  # saturates at 448
+    np.testing.assert_array_equal(F.fp8_quantize(mid, 1.0), want)
+    np.testing.assert_array_equal(F.fp8_quantize(np.array([1e6, -0.0, 0.0], np.float32), 1.0), [0x7E, 0x80, 0])
     # E2M1 ties (shared QUANT.md): 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4
-    q = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, -0.1, -5.5], np.float32)
-    np.testing.assert_array_equal(F.e2m1_decode(F.e2m1_encode(q)), [0, 1, 1, 2, 2, 4, 4, 6, -0.0, -6])
-    assert F.e2m1_encode(np.float32(-0.1)) == 8  # -0 keeps its sign bit, as both tools write it
-    codes = np.random.default_rng(0).integers(0, 16, (3, 32)).astype(np.uint8)
-    packed = F.pack_e2m1(codes)
-    np.testing.assert_array_equal(qn.decode_e2m1(packed), F.e2m1_decode(codes))  # element 2j in the low nibble
+    q = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.1, -5.5], np.float32)
+    codes = e2m1_codes(q)
+    np.testing.assert_array_equal(qn.E2M1_TABLE[codes], [0, 1, 1, 2, 2, 4, 4, 6, -0.0, -6])
+    assert codes[8] == 8  # -0 keeps its sign bit, as both tools write it
+    w = np.random.default_rng(0).standard_normal((3, 32)).astype(np.float32)
+    bs, packed, _ = F.nvfp4_quantize(w, F.nvfp4_global_scale(float(np.abs(w).max())))
+    np.testing.assert_array_equal(qn.pack_e2m1(qn.nvfp4_codes(w, bs, F.nvfp4_global_scale(float(np.abs(w).max())))),
+                                  packed)  # element 2j in the low nibble
+
+
+def awkward_weights(rng, n, k):
+    """Weights that reach every corner of the formats: zeros, all-zero blocks, values across 30 octaves
+    (E4M3 subnormals and saturation after scaling), exact ties of both grids, negative zeros."""
+    w = (rng.standard_normal((n, k)) * np.exp2(rng.integers(-20, 10, (n, 1)))).astype(np.float32)
+    w[rng.random((n, k)) < 0.05] = 0.0
+    w[rng.random((n, k)) < 0.02] = -0.0
+    w[:, :16] = 0.0  # an all-zero block per row
+    w[0, 16:32] = [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, -6.0]
+    return w
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_codes_match_numpy_reference(threads):
+    """The library's FP8 and NVFP4 codes (csrc/engine/weight_codes.cpp) are tests/quant_numpy.py's bit for
+    bit, dequantized values too, on any number of threads."""
+    rng = np.random.default_rng(1)
+    w = awkward_weights(rng, 203, 96)
+    for scale in (np.float32(np.abs(w).max() / 448), np.float32(1e-3), np.float32(7.5)):
+        codes = F.fp8_quantize(w, scale, threads)
+        np.testing.assert_array_equal(codes, qn.encode_e4m3(w / scale))
+        np.testing.assert_array_equal(F.fp8_dequantize(codes, scale, threads), qn.E4M3_TABLE[codes] * scale)
+    x = np.frombuffer(rng.integers(0, 2**32, 200_000, dtype=np.uint32).tobytes(), np.float32)
+    x = x[np.isfinite(x)]  # every finite float pattern: the encoder's bit arithmetic against the table search
+    np.testing.assert_array_equal(F.fp8_quantize(x, 1.0, threads), qn.encode_e4m3(x))
+    for gs in (F.nvfp4_global_scale(float(np.abs(w).max())), np.float32(1e-9), np.float32(0.01)):
+        bs, packed, changed = F.nvfp4_quantize(w, gs, threads=threads)
+        want_bs = qn.nvfp4_block_scales(qn.block_amax(w), gs)
+        np.testing.assert_array_equal(bs, want_bs)
+        np.testing.assert_array_equal(packed, qn.pack_e2m1(qn.nvfp4_codes(w, want_bs, gs)))
+        np.testing.assert_array_equal(F.nvfp4_dequantize(packed, bs, gs, threads),
+                                      qn.dequant_nvfp4(packed, qn.E4M3_TABLE[bs], float(gs)))
+        assert changed == 0
+
+
+def test_clip_search_matches_numpy_reference():
+    """The clip search of the NVFP4 block scales: each block takes the factor whose d^T C_b d is least
+    (evaluated in double; the first of equal ones), as tests/quant_numpy.py's float64 search does. The
+    float32 evaluation the search had before differs from it only between factors whose errors agree to
+    1e-5 (near ties), where either is as good."""
+    from ocria_rt.quantization.awq import CLIP_GRID
+
+    rng = np.random.default_rng(2)
+    n, k = 150, 64
+    w = (rng.standard_normal((n, k)) * np.where(rng.random(k) < 0.1, 8.0, 1.0)).astype(np.float32)
+    x = rng.standard_normal((512, k)) * np.where(rng.random(k) < 0.1, 10.0, 1.0)
+    C = (x.T @ x / len(x)).astype(np.float32)
+    blocks = np.stack([C[i:i + 16, i:i + 16] for i in range(0, k, 16)])
+    gs = F.nvfp4_global_scale(float(np.abs(w).max()))
+    bs, packed, changed = F.nvfp4_quantize(w, gs, CLIP_GRID, blocks)
+    want, errs = qn.nvfp4_searched_block_scales(w, gs, blocks, CLIP_GRID)
+    np.testing.assert_array_equal(bs, want)
+    np.testing.assert_array_equal(packed, qn.pack_e2m1(qn.nvfp4_codes(w, bs, gs)))
+    plain = qn.nvfp4_block_scales(qn.block_amax(w), gs)
+    assert changed == np.count_nonzero(bs != plain) > n * k // 16 // 10  # the search moves many blocks
+    f32, _ = qn.nvfp4_searched_block_scales(w, gs, blocks, CLIP_GRID, dtype=np.float32)
+    codes = np.stack([qn.nvfp4_block_scales(qn.block_amax(w), gs, c) for c in CLIP_GRID])  # [factor, N, K/16]
+    for r, b in zip(*np.nonzero(f32 != bs)):
+        chose = int(np.argmax(codes[:, r, b] == f32[r, b]))  # the factor the float32 search took
+        assert errs[chose, r, b] - errs[:, r, b].min() <= 1e-5 * errs[:, r, b].min(), (r, b)
 
 
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("in_proj_qkv", "in_proj_z"))
@@ -78,9 +151,9 @@ def test_codes_reproduce_modelopt(fixture, fmt):
             fused = next((f for f in FUSED if name in f), (name,))
             amax = max(float(np.abs(deq[f"{parent}.{p}"]).max()) for p in fused)
             assert F.nvfp4_global_scale(amax) == pytest.approx(float(gs), rel=1e-6), module
-            bs = F.nvfp4_block_scales(F.block_amax(w), gs)
+            bs, packed, _ = F.nvfp4_quantize(w, gs)
             np.testing.assert_array_equal(bs, t[module + ".weight_scale"].raw, err_msg=module)
-            np.testing.assert_array_equal(F.pack_e2m1(F.nvfp4_codes(w, bs, gs)), t[module + ".weight"].raw, err_msg=module)
+            np.testing.assert_array_equal(packed, t[module + ".weight"].raw, err_msg=module)
         else:
             scale = F.fp8_scale(float(np.abs(w).max()))
             assert scale == pytest.approx(float(t[module + ".weight_scale"].f32()), rel=1e-6)
@@ -161,6 +234,109 @@ def test_set_linear_weight_and_restore():
         eng.set_linear_weight("model.layers.2.mlp.up_proj", up[:3])
     with pytest.raises(ocria_rt.InvalidArgumentError, match="is stored quantized"):
         engine(QUANT / "modelopt_nvfp4").set_linear_weight("model.language_model.layers.0.mlp.up_proj", up)
+
+
+def with_weights(src: Path, dst: Path, changed: dict[str, np.ndarray]) -> Path:
+    """A copy of the model directory `src` whose checkpoint holds `changed` (F32) in place of those tensors."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    t = qc.read_safetensors(src / "model.safetensors")
+    for name, value in changed.items():
+        t[name] = ("F32", np.asarray(value, np.float32))
+    qc.write_safetensors(dst / "model.safetensors", t)
+    return dst
+
+
+def test_set_linear_weight_reads_any_array(tmp_path):
+    """The binding reads a float32 C-contiguous array where it is and converts any other (strided, Fortran
+    order, float64) once: each gives the scores of a checkpoint holding those weights, the GLU projection's
+    parts (interleaved in the engine) included; the engine keeps no reference to the array."""
+    t = qn.read_checkpoint(TEXT)
+    rng = np.random.default_rng(5)
+    gate, up, o = (t[f"model.layers.{i}.{m}.weight"].f32() for i, m in ((1, "mlp.gate_proj"), (1, "mlp.up_proj"),
+                                                                         (3, "self_attn.o_proj")))
+    new_gate = gate + 0.05 * rng.standard_normal(gate.shape).astype(np.float32)
+    new_up = (up * 0.7).astype(np.float32)
+    new_o = o[:, ::-1].copy()
+    want = engine(with_weights(TEXT, tmp_path / "edited", {"model.layers.1.mlp.gate_proj.weight": new_gate,
+                                                            "model.layers.1.mlp.up_proj.weight": new_up,
+                                                            "model.layers.3.self_attn.o_proj.weight": new_o}))
+    eng = engine(TEXT)
+    wide = np.zeros((new_gate.shape[0], 2 * new_gate.shape[1]), np.float32)
+    wide[:, ::2] = new_gate
+    eng.set_linear_weight("model.layers.1.mlp.gate_proj", wide[:, ::2])  # strided view
+    up_copy = np.asfortranarray(new_up)
+    eng.set_linear_weight("model.layers.1.mlp.up_proj", up_copy)  # Fortran order
+    eng.set_linear_weight("model.layers.3.self_attn.o_proj", o[:, ::-1].astype(np.float64))  # float64, reversed
+    up_copy[:] = 0.0  # read during the call only
+    wide[:] = 0.0
+    np.testing.assert_array_equal(eng.score(ids()), want.score(ids()))
+    contiguous = engine(TEXT)
+    for m, w in (("model.layers.1.mlp.gate_proj", new_gate), ("model.layers.1.mlp.up_proj", new_up),
+                 ("model.layers.3.self_attn.o_proj", new_o)):
+        assert w.flags.c_contiguous and w.dtype == np.float32
+        contiguous.set_linear_weight(m, w)
+    np.testing.assert_array_equal(contiguous.score(ids()), want.score(ids()))
+    eng.restore_linear_weights()
+    np.testing.assert_array_equal(eng.score(ids()), engine(TEXT).score(ids()))
+    with pytest.raises(ocria_rt.InvalidArgumentError, match="weight must be 2-D"):
+        eng.set_linear_weight("model.layers.1.mlp.up_proj", new_up.ravel())
+
+
+def kl_numpy(ref_logits: np.ndarray, logits: np.ndarray) -> np.ndarray:
+    """Per row KL(softmax(ref) || softmax(logits)) in float64."""
+    def log_softmax(z):
+        z = z.astype(np.float64)
+        z = z - z.max(axis=1, keepdims=True)
+        return z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+
+    lp, lq = log_softmax(ref_logits), log_softmax(logits)
+    return (np.exp(lp) * (lp - lq)).sum(axis=1)
+
+
+def test_reference_kl():
+    """Reference logits kept on the device: the rows score() gives; the KL per row of the current weights
+    from them is numpy's float64 KL of score()'s logits (0 for the same weights), also for logits handed
+    from another engine and for a VLM page, whose image features are kept with the reference."""
+    t = qn.read_checkpoint(TEXT)
+    eng = engine(TEXT)
+    tokens = ids(45)
+    base = eng.score(tokens)
+    i = eng.keep_reference(tokens, 10, 44)
+    np.testing.assert_array_equal(eng.reference_logits(i), base[10:44])
+    np.testing.assert_array_equal(eng.reference_kl(i), np.zeros(34))
+    eng.set_linear_weight("model.layers.2.mlp.down_proj", t["model.layers.2.mlp.down_proj.weight"].f32() * 0.9)
+    kl = eng.reference_kl(i)
+    want = kl_numpy(base[10:44], eng.score(tokens)[10:44])
+    assert kl.dtype == np.float64 and kl.shape == (34,) and want.min() > 1e-9
+    np.testing.assert_allclose(kl, want, rtol=1e-5)
+    other = engine(TEXT)
+    j = other.keep_reference(tokens, 10, 44, logits=eng.reference_logits(i))
+    np.testing.assert_array_equal(other.reference_kl(j), np.zeros(34))
+    with pytest.raises(ocria_rt.InvalidArgumentError, match="reference 5 was not kept"):
+        eng.reference_kl(5)
+    with pytest.raises(ocria_rt.InvalidArgumentError, match=r"rows \[30, 20\) are not"):
+        eng.keep_reference(tokens, 30, 20)
+    with pytest.raises(ocria_rt.InvalidArgumentError, match="logits must be"):
+        eng.keep_reference(tokens, 10, 44, logits=np.zeros((3, 4), np.float32))
+    eng.clear_references()
+    with pytest.raises(ocria_rt.InvalidArgumentError, match="reference 0 was not kept"):
+        eng.reference_kl(0)
+
+    from ocria_rt.quantization import calibration
+
+    vlm = engine(TINY_VLM)
+    (page,) = calibration.synthetic_samples(vlm, 1, 0, TINY_PAGES)
+    logits = vlm.score(page.ids, pixel_values=page.pixel_values, image_grid_thw=page.image_grid_thw)
+    r = calibration.keep_reference(vlm, page)
+    rows = slice(page.answer_start - 1, len(page.ids) - 1)
+    np.testing.assert_array_equal(vlm.reference_logits(r), logits[rows])
+    up = qn.read_checkpoint(TINY_VLM)["model.language_model.layers.0.mlp.up_proj.weight"].f32()
+    vlm.set_linear_weight("model.language_model.layers.0.mlp.up_proj", up * 1.2)
+    changed = vlm.score(page.ids, pixel_values=page.pixel_values, image_grid_thw=page.image_grid_thw)
+    np.testing.assert_allclose(vlm.reference_kl(r), kl_numpy(logits[rows], changed[rows]), rtol=1e-5, atol=1e-12)
 
 
 # ---- checkpoints ----
@@ -410,6 +586,50 @@ def test_choose_mixed_greedy():
     for bad in ("abc", "-3", "4 apples"):
         with pytest.raises(ocria_rt.InvalidArgumentError, match="budget"):
             parse_budget(bad, 1000)
+
+
+def test_overlapped_quantization_writes_the_same(tmp_path, monkeypatch):
+    """With the next group quantized in a thread while the engine runs the KL passes (as on a GPU), a run
+    writes what the sequential one writes."""
+    import ocria_rt.quantization as quantization
+
+    kw = dict(recipe="mixed", budget="45%", calib_synthetic=3)
+    sequential = run(tmp_path, name="sequential", **kw)
+    monkeypatch.setattr(quantization, "_overlap_quantization", lambda device: True)
+    overlapped = run(tmp_path, name="overlapped", **kw)
+    assert overlapped.plan == sequential.plan and len(set(overlapped.plan.values())) >= 2
+    assert (overlapped.out_dir / "model.safetensors").read_bytes() == (sequential.out_dir / "model.safetensors").read_bytes()
+    assert [g["kl"] for g in overlapped.report["groups"]] == [g["kl"] for g in sequential.report["groups"]]
+    assert "sensitivity/wait for the quantization" in overlapped.report["seconds"]
+    assert "sensitivity/wait for the quantization" not in sequential.report["seconds"]
+
+
+sys.path.insert(0, str(FIXTURES))
+import make_quantize_outputs  # noqa: E402
+
+RECORDED = json.loads((FIXTURES / "quantize_outputs.json").read_text())
+
+
+@pytest.mark.parametrize("name", sorted(make_quantize_outputs.RUNS))
+def test_outputs_as_recorded(tmp_path, name):
+    """The checkpoints of four small runs hold the tensors, bit for bit, and the plans that the numpy
+    implementation before the library kernels and the device-side KL wrote (tests/fixtures/
+    make_quantize_outputs.py); the KL and AWQ figures agree to 1e-5 (the KL now sums in double on the
+    device, the output errors in other orders)."""
+    src, kw = make_quantize_outputs.RUNS[name]
+    res = ocria_rt.quantize(src, tmp_path / "q", num_threads=1, progress=False, heldout=1, **kw)
+    got, want = make_quantize_outputs.summary(res.out_dir, res.report), RECORDED[name]
+    assert got["plan"] == want["plan"]
+    assert got["tensors"] == want["tensors"]
+    assert got["groups"].keys() == want["groups"].keys()
+    for g, w in want["groups"].items():
+        for fmt, kl in w["kl"].items():
+            assert got["groups"][g]["kl"][fmt] == pytest.approx(kl, rel=1e-5, abs=1e-12), (g, fmt)
+            a, b = got["groups"][g]["awq"][fmt], w["awq"][fmt]
+            assert a["alpha"] == b["alpha"] and a["searched_blocks"] == b["searched_blocks"], (g, fmt)
+            for key in ("output_error", "rtn_output_error"):
+                assert a[key] == pytest.approx(b[key], rel=1e-5), (g, fmt, key)
+    assert got["measured_kl"] == pytest.approx(want["measured_kl"], rel=1e-5, abs=1e-12)
 
 
 # ---- bad input: a clear error, and nothing at OUT_DIR ----

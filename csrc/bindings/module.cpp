@@ -14,6 +14,7 @@ using namespace ocria_rt;
 
 void register_op_runner(py::module_& m);     // op_runner.cpp
 void register_kernel_bench(py::module_& m);  // kernel_bench.cpp
+void register_weight_codes(py::module_& m);  // weight_codes.cpp
 
 namespace {
 
@@ -308,17 +309,55 @@ PYBIND11_MODULE(_core, m) {
         }
         return out;
       })
+      // A float32 C-contiguous array reaches the engine as it is (its buffer, not a copy); any other is
+      // converted once by the cast. The array holds a reference to its buffer while the GIL is released.
       .def("set_linear_weight", [](Engine& e, const std::string& module, FloatArray weight) {
         if (weight.ndim() != 2) throw Error(ErrorCode::kInvalidArgument, "set_linear_weight: weight must be 2-D [out, in]");
-        std::vector<float> w(weight.data(), weight.data() + weight.size());
+        const float* w = weight.data();
+        const int64_t count = int64_t(weight.size());
         py::gil_scoped_release release;
-        e.set_linear_weight(module, w);
+        e.set_linear_weight(module, w, count);
       }, py::arg("module"), py::arg("weight"))
       .def("restore_linear_weights", [](Engine& e) {
         py::gil_scoped_release release;
         e.restore_linear_weights();
+      })
+      .def("keep_reference", [](Engine& e, const std::vector<int32_t>& ids, int64_t begin, int64_t end,
+                                std::optional<FloatArray> pixel_values, std::optional<IntArray> grid_thw,
+                                std::optional<FloatArray> logits) {
+        std::optional<ImageBatch> images = maybe_images(pixel_values, grid_thw);
+        const int64_t V = e.config().vocab_size;
+        if (logits && (logits->ndim() != 2 || logits->shape(0) != end - begin || logits->shape(1) != V))
+          throw Error(ErrorCode::kInvalidArgument, "keep_reference: logits must be [end - begin, vocab] = [" +
+                                                       std::to_string(end - begin) + ", " + std::to_string(V) + "]");
+        const float* given = logits ? logits->data() : nullptr;
+        py::gil_scoped_release release;
+        return e.keep_reference(ids, begin, end, images ? &*images : nullptr, given);
+      }, py::arg("token_ids"), py::arg("begin"), py::arg("end"), py::arg("pixel_values") = py::none(),
+         py::arg("image_grid_thw") = py::none(), py::arg("logits") = py::none())
+      .def("reference_kl", [](Engine& e, int64_t index) {
+        std::vector<double> kl;
+        {
+          py::gil_scoped_release release;
+          kl = e.reference_kl(index);
+        }
+        return py::array_t<double>(py::ssize_t(kl.size()), kl.data());
+      }, py::arg("index"))
+      .def("reference_logits", [](const Engine& e, int64_t index) {
+        std::vector<float> logits;
+        {
+          py::gil_scoped_release release;
+          logits = e.reference_logits(index);
+        }
+        const int64_t V = e.config().vocab_size, rows = int64_t(logits.size()) / V;
+        return to_array(std::move(logits), rows, V);
+      }, py::arg("index"))
+      .def("clear_references", [](Engine& e) {
+        py::gil_scoped_release release;
+        e.clear_references();
       });
 
   register_op_runner(m);
   register_kernel_bench(m);
+  register_weight_codes(m);
 }

@@ -27,6 +27,9 @@ double seconds_since(Clock::time_point t0) { return std::chrono::duration<double
 
 constexpr int64_t kDefaultMaxContext = 32768;
 constexpr int64_t kLogitRows = 16;  // score() computes logits this many rows at a time
+// keep_reference() and reference_kl() compute logits this many rows at a time on a GPU (the LM head's
+// GEMM is then compute-bound), kLogitRows on the CPU (as score(): the same calls the observer sees)
+constexpr int64_t kReferenceRowsGpu = 256;
 
 std::unique_ptr<Backend> make_backend(const EngineOptions& o) {
   if (o.device == "cpu") return make_cpu_backend(o.num_threads);
@@ -250,8 +253,8 @@ class EngineImpl final : public Engine {
     return observer_->stats();
   }
 
-  void set_linear_weight(const std::string& module, const std::vector<float>& weight) override {
-    model_->set_linear_rows(module, weight.data(), int64_t(weight.size()), *edits_);
+  void set_linear_weight(const std::string& module, const float* weight, int64_t count) override {
+    model_->set_linear_rows(module, weight, count, *edits_);
     drop_graphs();  // a captured step may hold the old LM head
   }
 
@@ -259,6 +262,72 @@ class EngineImpl final : public Engine {
     model_->restore_linears();
     edits_ = std::make_unique<Arena>(*backend_);
     drop_graphs();
+  }
+
+  int64_t keep_reference(const std::vector<int32_t>& tokens, int64_t begin, int64_t end, const ImageBatch* images,
+                         const float* logits) override {
+    validate_tokens(tokens, "keep_reference");
+    if (begin < 0 || begin >= end || end > int64_t(tokens.size()))
+      throw Error(ErrorCode::kInvalidArgument, "keep_reference: rows [" + std::to_string(begin) + ", " +
+                                                   std::to_string(end) + ") are not a non-empty range of the " +
+                                                   std::to_string(tokens.size()) + " tokens");
+    if (!references_) references_ = std::make_unique<Arena>(*backend_);
+    Reference ref;
+    ref.tokens = tokens;
+    ref.begin = begin;
+    ref.end = end;
+    if (images) {  // the encoder output stays with the reference: the vision tower is never edited
+      ref.grids = checked_grids(*images);
+      const Tensor features = vision_->encode(images->pixel_values, ref.grids);
+      ref.features = references_->alloc(features.dtype, {features.dim(0), features.dim(1)});
+      backend_->copy(ref.features, features);
+    }
+    ref.logits = references_->alloc(backend_->activation_dtype(), {end - begin, config_.vocab_size});
+    if (logits) {
+      backend_->copy_from_host(ref.logits, logits, DType::F32);
+    } else {
+      active_ = false;
+      prefill_encoded(tokens, prefill_chunk_, ref.grids, ref.features, [&](int64_t c0, int64_t T) {
+        for_reference_rows(ref, c0, T, [&](int64_t r, int64_t R, const Tensor& hidden) {
+          model_->logits(hidden, ref.logits.rows(r - begin, R));
+        });
+      });
+    }
+    references_list_.push_back(std::move(ref));
+    return int64_t(references_list_.size()) - 1;
+  }
+
+  std::vector<double> reference_kl(int64_t index) override {
+    const Reference& ref = reference(index);
+    const int64_t rows = ref.end - ref.begin;
+    if (!reference_logits_.defined())
+      reference_logits_ = references_->alloc(backend_->activation_dtype(), {reference_rows(), config_.vocab_size});
+    if (!kl_out_.defined() || kl_out_.numel() < rows)  // grows to the longest reference
+      kl_out_ = references_->alloc(DType::F32, {rows});
+    active_ = false;
+    prefill_encoded(ref.tokens, prefill_chunk_, ref.grids, ref.features, [&](int64_t c0, int64_t T) {
+      for_reference_rows(ref, c0, T, [&](int64_t r, int64_t R, const Tensor& hidden) {
+        model_->logits(hidden, reference_logits_.rows(0, R));
+        backend_->kl_divergence(ref.logits.rows(r - ref.begin, R), reference_logits_.rows(0, R),
+                                kl_out_.rows(r - ref.begin, R));
+      });
+    });
+    std::vector<float> kl(static_cast<size_t>(rows));
+    backend_->copy_to_host(kl.data(), kl_out_.rows(0, rows));
+    return std::vector<double>(kl.begin(), kl.end());
+  }
+
+  std::vector<float> reference_logits(int64_t index) const override {
+    const Reference& ref = reference(index);
+    std::vector<float> out(size_t(ref.logits.numel()));
+    backend_->copy_to_host(out.data(), ref.logits);
+    return out;
+  }
+
+  void clear_references() override {
+    references_list_.clear();
+    reference_logits_ = kl_out_ = Tensor();
+    references_.reset();
   }
 
   std::vector<float> encode_images(const ImageBatch& images) override {
@@ -313,14 +382,25 @@ class EngineImpl final : public Engine {
   // With `taps`, the chunks' hidden-state taps are left in taps->out for after_chunk.
   int64_t prefill(const std::vector<int32_t>& tokens, int64_t step, const ImageBatch* images,
                   const std::function<void(int64_t, int64_t)>& after_chunk, const HiddenTaps* taps = nullptr) {
+    std::vector<ImageGrid> grids;
+    Tensor features;  // merged image features, one row per image token
+    if (images) {
+      grids = checked_grids(*images);
+      features = vision_->encode(images->pixel_values, grids);
+    }
+    return prefill_encoded(tokens, step, grids, features, after_chunk, taps);
+  }
+
+  // prefill() of images already encoded: `features` for the images of `grids` (none: a text sequence).
+  int64_t prefill_encoded(const std::vector<int32_t>& tokens, int64_t step, const std::vector<ImageGrid>& grids,
+                          const Tensor& features, const std::function<void(int64_t, int64_t)>& after_chunk,
+                          const HiddenTaps* taps = nullptr) {
     const int64_t n = int64_t(tokens.size());
+    const bool images = !grids.empty();
     int64_t delta = 0;
     std::vector<int32_t> rope;  // [n, 3]
-    Tensor features;            // merged image features, one row per image token
     if (images) {
-      const std::vector<ImageGrid> grids = checked_grids(*images);
       rope = mrope_positions(tokens, config_.image_token_id, grids, config_.vision.spatial_merge_size, &delta);
-      features = vision_->encode(images->pixel_values, grids);
     } else {
       if (config_.has_vision && std::find(tokens.begin(), tokens.end(), config_.image_token_id) != tokens.end())
         throw Error(ErrorCode::kInvalidArgument, "the tokens hold image tokens (id " + std::to_string(config_.image_token_id) +
@@ -376,6 +456,36 @@ class EngineImpl final : public Engine {
     backend_->copy_to_host(&pending_, token_);
     prompt_tokens_ = n;
     if (speculative) spec_->begin(pending_, n, rope_delta_, sampler_, max_new_);
+  }
+
+  // A sequence kept by keep_reference(): its tokens, images (grids and encoder output) and the logits
+  // of rows [begin, end).
+  struct Reference {
+    std::vector<int32_t> tokens;
+    std::vector<ImageGrid> grids;
+    Tensor features;
+    int64_t begin = 0, end = 0;
+    Tensor logits;
+  };
+
+  const Reference& reference(int64_t index) const {
+    if (index < 0 || index >= int64_t(references_list_.size()))
+      throw Error(ErrorCode::kInvalidArgument, "reference " + std::to_string(index) + " was not kept (" +
+                                                   std::to_string(references_list_.size()) + " are)");
+    return references_list_[size_t(index)];
+  }
+
+  int64_t reference_rows() const { return backend_->device() == DeviceKind::CPU ? kLogitRows : kReferenceRowsGpu; }
+
+  // Calls f(first row, rows, their final hidden rows) for the reference's rows in a prefill chunk
+  // [c0, c0 + T), reference_rows() at a time.
+  template <class F>
+  void for_reference_rows(const Reference& ref, int64_t c0, int64_t T, F&& f) {
+    const int64_t lo = std::max(ref.begin, c0), hi = std::min(ref.end, c0 + T);
+    for (int64_t r = lo; r < hi; r += reference_rows()) {
+      const int64_t R = std::min(reference_rows(), hi - r);
+      f(r, R, ws_.normed.rows(r - c0, R));
+    }
   }
 
   void drop_graphs() {
@@ -435,6 +545,9 @@ class EngineImpl final : public Engine {
   std::unique_ptr<Qwen35Vision> vision_;  // VLMs only
   LinearObserver* observer_ = nullptr;    // backend_, when it observes projections
   std::unique_ptr<Arena> edits_;          // weights set_linear_weight needed (a tied LM head's own copy)
+  std::unique_ptr<Arena> references_;     // keep_reference()'s sequences, and reference_kl()'s buffers
+  std::vector<Reference> references_list_;
+  Tensor reference_logits_, kl_out_;
   SequenceState state_;
   Workspace ws_;
   Tensor ids_, positions_, rope_positions_, logits_;

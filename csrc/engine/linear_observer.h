@@ -2,13 +2,16 @@
 // inputs of the decoder's projections: the calibration behind quantization (ocria_rt.quantize), on any
 // backend. The ops that join a projection with other work (rms_norm_linear, linear_glu, linear_add and
 // their GLU forms) run as the Backend defaults here, so that every projection's input passes through
-// linear(), where it is read back to the host; all other ops go straight to the wrapped backend. It
-// captures no graphs. An engine wraps its backend in one only when asked (EngineOptions::linear_observer).
+// linear(): on the CPU it is read there (in double, X^T X per call in float), on a GPU the wrapped
+// backend adds it to accumulators on the device (Backend::accumulate_input_stats), read back once by
+// stats(). All other ops go straight to the wrapped backend. It captures no graphs. An engine wraps
+// its backend in one only when asked (EngineOptions::linear_observer).
 #pragma once
 #include <memory>
 #include <unordered_map>
 #include <vector>
 
+#include "core/arena.h"
 #include "model/qwen35.h"
 #include "ocria_rt/engine.h"
 #include "ops/ops.h"
@@ -98,6 +101,9 @@ class LinearObserver final : public Backend {
   void sample(const Tensor& logits, const SamplerConfig& config, const Tensor& step, const Tensor& tokens) override {
     inner_->sample(logits, config, step, tokens);
   }
+  void kl_divergence(const Tensor& reference, const Tensor& logits, const Tensor& out) override {
+    inner_->kl_divergence(reference, logits, out);
+  }
   void layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out, float eps) override {
     inner_->layer_norm(x, weight, bias, out, eps);
   }
@@ -153,14 +159,20 @@ class LinearObserver final : public Backend {
  private:
   struct Accumulator {
     int64_t tokens = 0;
+    // on the host (a CPU backend)
     std::vector<float> abs_max;
     std::vector<double> abs_sum, square_sum;
     std::vector<double> gram;  // [K, K] sum of x x^T; the lower triangle is accumulated
+    // on the device (Backend::accumulate_input_stats): of x before the slot's norm scale
+    Tensor device_abs_max, device_sums, device_gram;
   };
   void observe(const Tensor& x, size_t slot);
+  LinearInputStats device_stats(size_t slot) const;
 
   std::unique_ptr<Backend> inner_;
   int threads_;
+  bool on_device_;                       // the statistics are kept on the wrapped backend's device
+  std::unique_ptr<Arena> device_arena_;  // their accumulators
   const std::vector<LinearSlot>* slots_ = nullptr;
   std::unordered_map<const LinearWeight*, size_t> slot_of_;
   std::vector<Accumulator> acc_;

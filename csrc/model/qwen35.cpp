@@ -125,30 +125,33 @@ void Qwen35Model::set_linear_rows(const std::string& module, const float* w, int
                                                      std::to_string(K) + "], got " + std::to_string(count) + " values");
       bool saved = false;
       for (const auto& [slot, original] : saved_) saved |= slot == si;
+      const bool tied = lw.weight.data == embed_.data;
       if (!saved) {
-        std::vector<float> original;
-        if (lw.weight.data != embed_.data) {
-          original.resize(size_t(lw.weight.numel()));
-          be_.copy_to_host(original.data(), lw.weight);
+        Tensor original;
+        if (!tied) {
+          original = arena.alloc(lw.weight.dtype, {lw.weight.dim(0), lw.weight.dim(1)});
+          be_.copy(original, lw.weight);
         }
-        saved_.emplace_back(si, std::move(original));
+        saved_.emplace_back(si, original);
       }
-      if (lw.weight.data == embed_.data) {  // a tied LM head: a copy of its own, so the embeddings stay
+      if (tied) {  // a tied LM head: a copy of its own, so the embeddings stay
         lw.weight = arena.alloc(embed_.dtype, {embed_.dim(0), embed_.dim(1)});
         be_.copy(lw.weight, embed_);
       }
-      std::vector<float> staged(size_t(rows * K));
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t k = 0; k < K; ++k)
-          staged[r * K + k] = s.norm_scale.empty() ? w[r * K + k] : w[r * K + k] * s.norm_scale[k];
-      if (s.glu) {  // this part's groups of kGluGroup rows alternate with the other part's
-        for (int64_t j = 0; j < rows / kGluGroup; ++j)
-          be_.copy_from_host(lw.weight.rows((2 * j + int64_t(part)) * kGluGroup, kGluGroup),
-                             staged.data() + j * kGluGroup * K, DType::F32);
+      std::vector<float> staged;  // w with the norm scale folded in, where the slot has one
+      if (!s.norm_scale.empty()) {
+        staged.resize(size_t(rows * K));
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t k = 0; k < K; ++k) staged[r * K + k] = w[r * K + k] * s.norm_scale[k];
+      }
+      const float* src = staged.empty() ? w : staged.data();
+      if (s.glu) {  // this part's groups of kGluGroup rows alternate with the other part's: one strided copy
+        const Tensor tiles = lw.weight.view({lw.weight.dim(0) / (2 * kGluGroup), 2 * kGluGroup * K});
+        be_.copy_from_host(tiles.cols(int64_t(part) * kGluGroup * K, kGluGroup * K), src, DType::F32);
       } else {
         int64_t first = 0;
         for (size_t q = 0; q < part; ++q) first += s.rows[q];
-        be_.copy_from_host(lw.weight.rows(first, rows), staged.data(), DType::F32);
+        be_.copy_from_host(lw.weight.rows(first, rows), src, DType::F32);
       }
       return;
     }
@@ -159,10 +162,10 @@ void Qwen35Model::set_linear_rows(const std::string& module, const float* w, int
 void Qwen35Model::restore_linears() {
   for (const auto& [si, original] : saved_) {
     LinearWeight& lw = *slots_[si].weight;
-    if (original.empty()) {
-      lw.weight = embed_;  // the LM head ties to the embeddings again
+    if (original.defined()) {
+      be_.copy(lw.weight, original);
     } else {
-      be_.copy_from_host(lw.weight, original.data(), DType::F32);
+      lw.weight = embed_;  // the LM head ties to the embeddings again
     }
   }
   saved_.clear();

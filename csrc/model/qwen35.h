@@ -121,8 +121,9 @@ class Qwen35Model {
   const std::vector<LinearSlot>& linear_slots() const { return slots_; }
   // Overwrites the rows of checkpoint module `module` in its (dense) projection with w [rows, in]
   // (`count` fp32 values, checkpoint layout), folding the slot's norm_scale in as the loader folds it.
-  // The first edit of a projection keeps a host copy of it; a tied LM head first gets a weight of its
-  // own from `arena`. Error(kInvalidArgument) for an unknown module, a wrong count or a quantized projection.
+  // The first edit of a projection keeps a copy of it in `arena` (on the device); a tied LM head first
+  // gets a weight of its own from `arena`. Error(kInvalidArgument) for an unknown module, a wrong count
+  // or a quantized projection.
   void set_linear_rows(const std::string& module, const float* w, int64_t count, Arena& arena);
   // Puts back every projection that set_linear_rows changed (the LM head ties to the embeddings again).
   void restore_linears();
@@ -141,7 +142,8 @@ class Qwen35Model {
   std::vector<DecoderLayer> layers_;
   QuantizedBytes quantized_bytes_;
   std::vector<LinearSlot> slots_;
-  std::vector<std::pair<size_t, std::vector<float>>> saved_;  // slot, its original weight (fp32 [N, K])
+  // slot, a copy of its original weight (undefined for a tied LM head: the embeddings are the original)
+  std::vector<std::pair<size_t, Tensor>> saved_;
 };
 
 }  // namespace ocria_rt

@@ -289,6 +289,11 @@ class Backend {
   virtual void sample(const Tensor& logits, const SamplerConfig& config, const Tensor& step,
                       const Tensor& tokens) = 0;
 
+  // Calibration (quantization): out[r] = KL(softmax(reference[r]) || softmax(logits[r])) in nats, for
+  // reference and logits [R, V] of one dtype (F32 or the activation dtype), out F32 [R]. The log-sum-exps
+  // and the sum over V run in double, so a KL far below the logits' magnitude keeps its digits.
+  virtual void kl_divergence(const Tensor& reference, const Tensor& logits, const Tensor& out) = 0;
+
   // ---- the ops of the vision encoder ----
 
   // LayerNorm over the last dimension: out = (x - mean) * rsqrt(var + eps) * weight + bias.
@@ -405,6 +410,18 @@ class Backend {
                                    const Tensor& rope_positions, const Tensor& draft_ids, const Tensor& verify_ids,
                                    const Tensor& step) {
     throw speculative_unsupported("speculative_advance");
+  }
+
+  // ---- calibration on a GPU (engine/linear_observer.cpp): the statistics of the projections' inputs
+  // stay on the device. A backend that lacks them throws Error(kInvalidArgument) (this default). ----
+
+  // Adds x [T, K] (F32 or the activation dtype) to accumulators on the device, all F32: abs_max [K] =
+  // max(abs_max, |x| over the rows); sums [4, K]: sum |x|, its compensation, sum x^2, its compensation
+  // (Kahan sums: the value is sum - compensation, so that many tokens keep fp32's digits); and where
+  // gram is defined, gram [2, K, K] (sum, compensation) += X^T X on and below the diagonal (i >= j).
+  virtual void accumulate_input_stats(const Tensor& x, const Tensor& abs_max, const Tensor& sums, const Tensor& gram) {
+    throw Error(ErrorCode::kInvalidArgument,
+                std::string("accumulate_input_stats: the ") + name() + " backend keeps no statistics on a device");
   }
 
   // ---- step graphs: the ops issued between begin_capture() and end_capture(slot) are recorded (not

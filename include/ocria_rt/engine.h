@@ -177,10 +177,24 @@ class Engine {
   virtual std::vector<LinearInputStats> linear_input_stats() const = 0;  // in linear_groups() order
   // Replaces, in memory, the weight of the dense decoder module `module` (a name of linear_groups())
   // by `weight` [out, in] fp32 in the checkpoint's layout; an RMSNorm folded into it at load is
-  // applied to it as to the original (e.g. a trial quantization, dequantized). A tied LM head gets a
-  // weight of its own; the embeddings stay. restore_linear_weights() puts every original back.
-  virtual void set_linear_weight(const std::string& module, const std::vector<float>& weight) = 0;
+  // applied to it as to the original (e.g. a trial quantization, dequantized); `count` floats at
+  // `weight`, read during the call. A tied LM head gets a weight of its own; the embeddings stay.
+  // restore_linear_weights() puts every original back.
+  virtual void set_linear_weight(const std::string& module, const float* weight, int64_t count) = 0;
   virtual void restore_linear_weights() = 0;
+  // Reference distributions kept on the device, and the KL divergence from them: how much a change of
+  // weights moves the model's next-token distributions, with only one number per row read back.
+  // keep_reference() runs token_ids as a fresh sequence (as score(); `images` as there) and keeps the
+  // logits of rows [begin, end) -- the predictions of tokens begin + 1 .. end -- with the tokens and
+  // the images' encoder output; given `logits` (row-major [end - begin, vocab], e.g. another engine's
+  // reference_logits()) it keeps those instead and runs only the vision encoder. Returns its index.
+  virtual int64_t keep_reference(const std::vector<int32_t>& token_ids, int64_t begin, int64_t end,
+                                 const ImageBatch* images = nullptr, const float* logits = nullptr) = 0;
+  // Runs reference `index`'s tokens again with the weights as they are now (its image features as
+  // kept) and returns, per kept row, KL(reference || model) in nats.
+  virtual std::vector<double> reference_kl(int64_t index) = 0;
+  virtual std::vector<float> reference_logits(int64_t index) const = 0;  // [rows, vocab] fp32
+  virtual void clear_references() = 0;
 
   // on_token returns false to stop early (finish_reason "cancelled").
   GenerationResult generate(const std::vector<int32_t>& prompt, const SamplingParams& params,

@@ -297,12 +297,35 @@ class Engine:
 
     def set_linear_weight(self, module: str, weight: np.ndarray) -> None:
         """Replaces the weight of dense decoder module `module` in memory by `weight` [out, in] (checkpoint
-        layout; a norm folded into the projection at load applies to it too). See restore_linear_weights."""
-        self._core.set_linear_weight(str(module), np.asarray(weight, np.float32))
+        layout; a norm folded into the projection at load applies to it too). A float32 C-contiguous array
+        is read where it is; another is converted first. See restore_linear_weights."""
+        self._core.set_linear_weight(str(module), weight)
 
     def restore_linear_weights(self) -> None:
         """Puts back every weight set_linear_weight replaced."""
         self._core.restore_linear_weights()
+
+    def keep_reference(self, prompt: Prompt, begin: int, end: int, pixel_values: np.ndarray | None = None,
+                       image_grid_thw: np.ndarray | None = None, logits: np.ndarray | None = None) -> int:
+        """Keeps, on the engine's device, the logits of rows [begin, end) of the fresh sequence `prompt` (the
+        distributions of tokens begin + 1 .. end) with its tokens and its images' encoder output, to measure
+        later weights against (reference_kl). logits ([end - begin, vocab], e.g. another engine's
+        reference_logits()) are kept instead of computed. Returns the reference's index."""
+        return int(self._core.keep_reference(self._ids(prompt), int(begin), int(end),
+                                             *_images(pixel_values, image_grid_thw),
+                                             None if logits is None else np.asarray(logits, np.float32)))
+
+    def reference_kl(self, index: int) -> np.ndarray:
+        """Runs reference `index`'s sequence with the weights as they are now: per kept row, KL(reference ||
+        model) of the next-token distributions in nats (np.float64), computed on the device."""
+        return self._core.reference_kl(int(index))
+
+    def reference_logits(self, index: int) -> np.ndarray:
+        """A reference's kept logits, np.float32 [rows, vocab]."""
+        return self._core.reference_logits(int(index))
+
+    def clear_references(self) -> None:
+        self._core.clear_references()
 
     def _stops(self, stop_token_ids: Sequence[int] | None) -> list[int]:
         return list(self.eos_token_ids if stop_token_ids is None else (int(t) for t in stop_token_ids))

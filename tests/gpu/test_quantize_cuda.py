@@ -66,3 +66,52 @@ def test_quantize_on_cuda(tmp_path):
     for d in ("cpu", "cuda"):
         logits = ocria_rt.Engine(res["cuda"].out_dir, device=d).score(ids())
         assert np.all(np.isfinite(logits))
+
+
+def kl_numpy(ref_logits: np.ndarray, logits: np.ndarray) -> np.ndarray:
+    def log_softmax(z):
+        z = z.astype(np.float64) - z.max(axis=1, keepdims=True)
+        return z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+
+    lp, lq = log_softmax(ref_logits), log_softmax(logits)
+    return (np.exp(lp) * (lp - lq)).sum(axis=1)
+
+
+def test_reference_kl_on_cuda():
+    """Reference logits kept on the GPU (computed 256 rows at a time) agree with score()'s; the KL per row
+    computed there is numpy's float64 KL of the kept logits and of the current weights' (read back with
+    keep_reference), 0 for the same weights; references move between engines through the host."""
+    t = qn.read_checkpoint(TEXT)
+    eng = ocria_rt.Engine(TEXT, device="cuda")
+    tokens = ids(300, seed=4)  # more rows than one 256-row block
+    i = eng.keep_reference(tokens, 5, 299)
+    ref = eng.reference_logits(i)
+    assert ref.shape == (294, 512) and relerr(ref, eng.score(tokens)[5:299]) <= 1e-2
+    np.testing.assert_array_equal(eng.reference_kl(i), np.zeros(294))
+    eng.set_linear_weight("model.layers.1.mlp.down_proj", t["model.layers.1.mlp.down_proj.weight"].f32() * 0.9)
+    kl = eng.reference_kl(i)
+    now = eng.reference_logits(eng.keep_reference(tokens, 5, 299))
+    np.testing.assert_allclose(kl, kl_numpy(ref, now), rtol=1e-5, atol=1e-9)
+    assert kl.mean() > 1e-6
+    other = ocria_rt.Engine(TEXT, device="cuda")
+    j = other.keep_reference(tokens, 5, 299, logits=ref)
+    np.testing.assert_array_equal(other.reference_logits(j), ref)
+    np.testing.assert_array_equal(other.reference_kl(j), np.zeros(294))
+
+
+def test_observer_second_moment_on_cuda_long():
+    """The device statistics over many tokens (several prefill chunks, rows not a multiple of 16) are the
+    CPU observer's within BF16 activations: the Kahan-summed accumulators lose nothing over 2,000 tokens."""
+    tokens = ids(2003, seed=6)
+    stats = {}
+    for device in ("cpu", "cuda"):
+        eng = ocria_rt.Engine(TEXT, device=device, linear_observer=True, prefill_chunk=512)
+        eng.observe_linear_inputs(True, second_moment=True)
+        eng.score(tokens)
+        eng.observe_linear_inputs(False)
+        stats[device] = eng.linear_input_stats()
+    for cpu, cuda in zip(stats["cpu"], stats["cuda"]):
+        assert cpu["tokens"] == cuda["tokens"] == 2003
+        for key in ("abs_max", "abs_mean", "square_mean", "second_moment"):
+            assert relerr(cuda[key], cpu[key]) <= 3e-2, key
+        np.testing.assert_allclose(np.diag(cuda["second_moment"]), cuda["square_mean"], rtol=1e-3)

@@ -45,6 +45,7 @@ class CpuBackend final : public Backend {
   void gdn_gated_norm(const Tensor& o, const Tensor& z, const Tensor& weight, const GdnParams& p,
                       const Tensor& out) override;
   void sample(const Tensor& logits, const SamplerConfig& config, const Tensor& step, const Tensor& tokens) override;
+  void kl_divergence(const Tensor& reference, const Tensor& logits, const Tensor& out) override;
   void layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out, float eps) override;
   void gelu(const Tensor& x, const Tensor& out, bool tanh_approximation) override;
   void gather_blend_add(const Tensor& table, const Tensor& rows, const Tensor& weights, const Tensor& x) override;

@@ -355,6 +355,8 @@ class CudaBackend final : public Backend {
   void speculative_accept(const Tensor& logits, const Tensor& draft, const Tensor& cand, const Tensor& cand_prob,
                           const SamplerConfig& config, const Tensor& step, const Tensor& out,
                           const Tensor& count) override;
+  void kl_divergence(const Tensor& reference, const Tensor& logits, const Tensor& out) override;
+  void accumulate_input_stats(const Tensor& x, const Tensor& abs_max, const Tensor& sums, const Tensor& gram) override;
   void layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out, float eps) override;
   void gelu(const Tensor& x, const Tensor& out, bool tanh_approximation) override;
   void gather_blend_add(const Tensor& table, const Tensor& rows, const Tensor& weights, const Tensor& x) override;

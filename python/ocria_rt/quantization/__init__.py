@@ -6,15 +6,18 @@
 1. Calibration: samples (calibration.py) run through the engine, which observes the inputs of every
    projection (Engine.observe_linear_inputs): per-channel max |x|, mean |x|, mean x^2 and X^T X.
 2. Each projection group (per layer: attention q|k|v and o_proj, or DeltaNet in_proj_qkv|in_proj_z and
-   out_proj; MLP gate|up and down_proj; the LM head) is quantized alone to each candidate format (awq.py),
-   its dequantized weights set into the engine in memory (Engine.set_linear_weight), and the KL divergence
-   of the next-token distributions from the unquantized model's measured on held-out samples.
+   out_proj; MLP gate|up and down_proj; the LM head) is quantized alone to each candidate format (awq.py;
+   the codes by the engine's library on all cores), its dequantized weights set into the engine in memory
+   (Engine.set_linear_weight), and the KL divergence of the next-token distributions from the unquantized
+   model's measured on held-out samples, whose logits and image features the engine keeps on its device
+   (Engine.keep_reference, reference_kl). On a GPU the next group is quantized on the host meanwhile.
 3. The plan: one format for every group but the LM head (recipes fp8 / nvfp4, ModelOpt's defaults), or
    per group (mixed: plan.choose_mixed under a byte budget or a KL threshold). Embeddings, norms, the
    DeltaNet conv, in_proj_a / in_proj_b and the vision encoder stay in the checkpoint's dtype.
 4. The checkpoint (writer.py) in ModelOpt's layout, with the AWQ scales folded into the layers before
-   each group; it is written to a temporary directory beside OUT_DIR, loaded and scored by a fresh engine
-   (the measured KL), and renamed to OUT_DIR only when complete.
+   each group (a group whose weights no fold changed keeps its quantization from step 2); it is written
+   to a temporary directory beside OUT_DIR, loaded and scored by a fresh engine (the measured KL), and
+   renamed to OUT_DIR only when complete. The report records the seconds of each stage.
 """
 
 from __future__ import annotations
@@ -25,13 +28,18 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+import numpy as np
+
 from ..errors import FileError, InvalidArgumentError, ModelError
 from . import calibration, plan as planning, writer
-from .awq import format_bytes, quantize_group
+from .awq import GroupQuantization, format_bytes, quantize_group
 from .report import format_table, write_kl_plot
 from .safetensors_io import DTYPE_BYTES, Checkpoint
 
@@ -53,6 +61,22 @@ class QuantizationResult:
 
     def table(self) -> str:
         return format_table(self.report)
+
+
+class _Seconds:
+    """Wall-clock seconds per stage of a run (the report's "seconds"): `with seconds("stage"):` adds the
+    block's time to the stage; nested names ("sensitivity/kl") split a stage."""
+
+    def __init__(self) -> None:
+        self.by_stage: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.by_stage[stage] = self.by_stage.get(stage, 0.0) + time.perf_counter() - t0
 
 
 class _Progress:
@@ -133,6 +157,7 @@ def quantize(
     from .. import _core
     from ..engine import Engine
 
+    t_start = time.perf_counter()
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if recipe not in RECIPES:
         raise InvalidArgumentError(f"recipe must be one of {', '.join(RECIPES)}, got {recipe!r}")
@@ -158,7 +183,9 @@ def quantize(
         calibration.check_files(calib, bool(config["has_vision"]))
 
     bar = _Progress(progress, progress_stream)
-    eng = Engine(model_dir, device=device, num_threads=num_threads, linear_observer=True)
+    seconds = _Seconds()
+    with seconds("load"):
+        eng = Engine(model_dir, device=device, num_threads=num_threads, linear_observer=True)
     groups = writer.projection_groups(eng.linear_groups())
     quantized = [g for g in groups if g.slot_format != "dense"]
     if quantized:
@@ -183,43 +210,65 @@ def quantize(
 
     # 1. calibration samples, statistics and the reference next-token distributions
     n = DEFAULT_CALIBRATION_PAGES if calib is None and calib_synthetic is None else (calib_synthetic or 0)
-    if calib is not None:
-        bar.start("calibration inputs", len(calib))
-        samples = calibration.file_samples(eng, calib, max_new_tokens, tick=bar.tick)
-    else:
-        bar.start("calibration pages", n)
-        samples = calibration.synthetic_samples(eng, n, seed, page_config, tick=bar.tick)
+    with seconds("calibration samples"):
+        if calib is not None:
+            bar.start("calibration inputs", len(calib))
+            samples = calibration.file_samples(eng, calib, max_new_tokens, tick=bar.tick)
+        else:
+            bar.start("calibration pages", n)
+            samples = calibration.synthetic_samples(eng, n, seed, page_config, tick=bar.tick)
     if heldout is not None and len(samples) < int(heldout) + 1:
         raise InvalidArgumentError(f"heldout={heldout} leaves no calibration sample of {len(samples)}")
     n_held = int(heldout) if heldout is not None else (max(1, len(samples) // 4) if len(samples) > 1 else 0)
     calib_set = samples[: len(samples) - n_held]
     held = samples[len(samples) - n_held :] or samples  # a single sample serves both
     bar.start("input statistics", len(calib_set))
-    stats = calibration.collect_stats(eng, calib_set, tick=bar.tick)
+    with seconds("input statistics"):
+        stats = calibration.collect_stats(eng, calib_set, tick=bar.tick)
     bar.start("reference outputs", len(held))
-    reference = []
-    for s in held:
-        reference.append(calibration.continuation_logprobs(eng, s))
-        bar.tick()
+    references = []
+    with seconds("reference outputs"):
+        for s in held:
+            references.append(calibration.keep_reference(eng, s))
+            bar.tick()
 
-    # 2. each group alone in each candidate format
+    # 2. each group alone in each candidate format; the quantizations are kept for the checkpoint
     shapes = writer.Shapes.of(config)
     source = writer.SourceWeights(ck, groups)
     trials: dict[str, dict[str, Any]] = {g.name: {} for g in candidates}
+    quantized_groups: dict[tuple[str, str], GroupQuantization] = {}
     work = [(g, f) for g in candidates for f in trial_formats[g.name]]
+
+    def trial(g: writer.Group, fmt: str) -> tuple[GroupQuantization, list]:
+        with seconds("sensitivity/quantize" + (" (beside the KL passes)" if overlap else "")):
+            parts = [source.get(m) for m in g.modules]
+            gq = quantize_group(parts, fmt, stats[g.slot], method, writer.tie_classes(g, shapes), num_threads)
+            return gq, gq.effective(num_threads)
+
     bar.start("sensitivity", len(work))
-    for g, fmt in work:
-        parts = [source.get(m) for m in g.modules]
-        gq = quantize_group(parts, fmt, stats[g.slot], method, writer.tie_classes(g, shapes))
-        for m, w in zip(g.modules, gq.effective()):
-            eng.set_linear_weight(m, w)
-        try:
-            kl = calibration.kl_divergence(eng, held, reference)
-        finally:
-            eng.restore_linear_weights()
-        trials[g.name][fmt] = {"kl": kl, "alpha": gq.alpha, "output_error": gq.error, "rtn_output_error": gq.rtn_error,
-                               "searched_blocks": gq.searched_blocks}
-        bar.tick()
+    # Where the forward passes run on a GPU, the next group is quantized on the host's cores meanwhile.
+    overlap = _overlap_quantization(device)
+    with seconds("sensitivity"), ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(trial, *work[0]) if overlap and work else None
+        for i, (g, fmt) in enumerate(work):
+            with seconds("sensitivity/wait for the quantization" if overlap else "sensitivity/quantize"):
+                gq, effective = pending.result() if overlap else trial(g, fmt)
+            if overlap and i + 1 < len(work):
+                pending = pool.submit(trial, *work[i + 1])
+            try:
+                with seconds("sensitivity/set weights"):
+                    for m, w in zip(g.modules, effective):
+                        eng.set_linear_weight(m, w)
+                with seconds("sensitivity/kl"):
+                    kl = calibration.kl_divergence(eng, references)
+            finally:
+                with seconds("sensitivity/restore"):
+                    eng.restore_linear_weights()
+            del effective
+            quantized_groups[(g.name, fmt)] = gq
+            trials[g.name][fmt] = {"kl": kl, "alpha": gq.alpha, "output_error": gq.error,
+                                   "rtn_output_error": gq.rtn_error, "searched_blocks": gq.searched_blocks}
+            bar.tick()
 
     # 3. the plan
     if recipe == "mixed":
@@ -229,6 +278,8 @@ def quantize(
     else:
         plan = {g.name: trial_formats[g.name][0] for g in candidates}
     full_plan = {g.name: plan.get(g.name, "dense") for g in groups}
+    chosen = {name: quantized_groups[(name, fmt)] for name, fmt in full_plan.items() if (name, fmt) in quantized_groups}
+    del quantized_groups
 
     # 4. the checkpoint, in a temporary directory beside out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -238,26 +289,44 @@ def quantize(
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's directory is private
     try:
         bar.start("writing", 1)
-        built = writer.write_checkpoint(tmp, model_dir, ck, groups, full_plan, stats, method, shapes)
+        with seconds("writing"):
+            built = writer.write_checkpoint(tmp, model_dir, ck, groups, full_plan, stats, method, shapes, num_threads,
+                                            chosen)
         bar.tick()
+        del chosen
+        reference_logits = [eng.reference_logits(i) for i in references]
         del eng
         bar.start("checking", len(held))
-        check = Engine(tmp, device=device, num_threads=num_threads)
-        total_kl = 0.0
-        for s, ref in zip(held, reference):
-            total_kl += calibration.kl_divergence(check, [s], [ref]) * len(ref)
-            bar.tick()
-        measured_kl = total_kl / max(sum(len(r) for r in reference), 1)
+        with seconds("checking/load"):
+            check = Engine(tmp, device=device, num_threads=num_threads)
+        total_kl, rows = 0.0, 0
+        with seconds("checking/kl"):
+            for s, logits in zip(held, reference_logits):
+                kl = check.reference_kl(calibration.keep_reference(check, s, logits))
+                total_kl, rows = total_kl + float(np.sum(kl)), rows + len(kl)
+                bar.tick()
+        del reference_logits
+        measured_kl = total_kl / max(rows, 1)
         report = _report(model_dir, recipe, method, built, groups, full_plan, trials, nbytes, ck, samples, calib_set,
                          held, n_held, measured_kl, budget, budget_bytes, max_kl, check.stats(), tmp)
         del check
+        with seconds("report"):
+            write_kl_plot(tmp / PLOT_NAME, report)
+        report["seconds"] = {k: round(v, 3) for k, v in seconds.by_stage.items()}
+        report["seconds"]["total"] = round(time.perf_counter() - t_start, 3)
         (tmp / REPORT_NAME).write_text(json.dumps(report, indent=1) + "\n")
-        write_kl_plot(tmp / PLOT_NAME, report)
         _replace(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return QuantizationResult(plan=full_plan, report=report, out_dir=out_dir)
+
+
+def _overlap_quantization(device: str) -> bool:
+    """Whether the sensitivity stage quantizes the next group in a thread while the engine runs the KL
+    passes of the current one: on a GPU (the host's cores are free meanwhile), not on the CPU (where the
+    engine uses them)."""
+    return device != "cpu"
 
 
 def _bytes_by_format(g: writer.Group, ck: Checkpoint) -> dict[str, int]:

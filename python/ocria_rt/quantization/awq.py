@@ -26,6 +26,7 @@ from . import formats as F
 ALPHAS = np.linspace(0.0, 1.0, 11)
 CLIP_GRID = np.array([1.1, 1.05, 1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6], np.float32)
 SEARCH_ROWS = 4096  # rows of the parts (spread evenly) that the alpha search quantizes
+ERROR_ROWS = 4096  # rows of an output error's d^T d summed in float32 at a time
 
 
 @dataclass
@@ -40,10 +41,10 @@ class QuantizedWeight:
     input_scale: np.float32
     block_scale: np.ndarray | None = None
 
-    def dequantize(self) -> np.ndarray:
+    def dequantize(self, threads: int = 0) -> np.ndarray:
         if self.fmt == "fp8":
-            return F.fp8_dequantize(self.codes, self.scale)
-        return F.nvfp4_dequantize(self.codes, self.block_scale, self.scale)
+            return F.fp8_dequantize(self.codes, self.scale, threads)
+        return F.nvfp4_dequantize(self.codes, self.block_scale, self.scale, threads)
 
     def tensors(self, module: str) -> dict[str, tuple[str, np.ndarray]]:
         """The safetensors entries of the module, named and typed as ModelOpt writes them."""
@@ -74,10 +75,14 @@ class GroupQuantization:
     error: float                        # E of these weights
     rtn_error: float                    # E of plain rounding
 
-    def effective(self) -> list[np.ndarray]:
+    def effective(self, threads: int = 0) -> list[np.ndarray]:
         """Each part's dequantized weight in the original input domain (as the model computes with it)."""
-        p = self.pre_quant_scale
-        return [w.dequantize() if p is None else w.dequantize() * p[None, :].astype(np.float32) for w in self.weights]
+        p = None if self.pre_quant_scale is None else self.pre_quant_scale.astype(np.float32)
+        out = [w.dequantize(threads) for w in self.weights]
+        if p is not None:
+            for e in out:
+                e *= p[None, :]
+        return out
 
 
 class Moments:
@@ -92,23 +97,29 @@ class Moments:
     def of(stats: dict) -> Moments:
         return Moments(stats.get("second_moment"), stats["square_mean"])
 
-    def scaled(self, s: np.ndarray) -> Moments:
-        """The moments of x / s."""
-        return Moments(None if self.full is None else self.full / np.outer(s, s), self.diag / (s * s))
-
     def error(self, d: np.ndarray) -> float:
-        """tr(d C d^T)."""
+        """tr(d C d^T) = <C, d^T d>: d^T d of ERROR_ROWS rows at a time in float32 (a matrix times its own
+        transpose, which numpy hands to BLAS's syrk: half the work of d @ C), summed with C in float64."""
         d = np.asarray(d, np.float32)
         if self.full is None:
             return float(np.einsum("nk,nk,k->", d, d, self.diag, dtype=np.float64))
-        return float(np.einsum("nk,nk->", d @ self.full, d, dtype=np.float64))
+        total = 0.0
+        for r0 in range(0, len(d), ERROR_ROWS):
+            rows = d[r0:r0 + ERROR_ROWS]
+            total += float(np.einsum("ij,ij->", rows.T @ rows, self.full, dtype=np.float64))
+        return total
 
-    def blocks(self) -> np.ndarray:
-        """The NVFP4 blocks' 16 x 16 diagonal blocks of C, [K / 16, 16, 16]."""
+    def blocks(self, s: np.ndarray | None = None) -> np.ndarray:
+        """The NVFP4 blocks' 16 x 16 diagonal blocks of C (of the moments of x / s with s), [K / 16, 16, 16]."""
         nb, b = len(self.diag) // F.NVFP4_BLOCK, F.NVFP4_BLOCK
         if self.full is None:
-            return np.stack([np.diag(self.diag[i * b:(i + 1) * b]) for i in range(nb)])
-        return np.stack([self.full[i * b:(i + 1) * b, i * b:(i + 1) * b] for i in range(nb)])
+            diag = self.diag if s is None else self.diag / (s * s)
+            return np.stack([np.diag(diag[i * b:(i + 1) * b]) for i in range(nb)])
+        out = np.stack([self.full[i * b:(i + 1) * b, i * b:(i + 1) * b] for i in range(nb)])
+        if s is not None:
+            sb = s.reshape(nb, b)
+            out /= sb[:, :, None] * sb[:, None, :]
+        return out
 
 
 def output_error(parts: list[np.ndarray], effective: list[np.ndarray], C: Moments) -> float:
@@ -133,68 +144,67 @@ def _input_scale(fmt: str, abs_max: np.ndarray, p: np.ndarray | None) -> np.floa
     return np.float32(amax / (F.FP8_MAX * (F.E2M1_MAX if fmt == "nvfp4" else 1.0))) if amax > 0 else np.float32(1.0)
 
 
-def _searched_block_scales(w: np.ndarray, gs: np.float32, C: Moments) -> tuple[np.ndarray, float]:
-    """NVFP4 block scales of w [N, K] minimising each block's d^T C_bb d over CLIP_GRID (ModelOpt's scale,
-    factor 1, is one of them); returns the codes and the share of blocks whose scale changed."""
-    n, k = w.shape
-    nb = k // F.NVFP4_BLOCK
-    cbb = C.blocks()
-    amax = F.block_amax(w)
-    best = F.nvfp4_block_scales(amax, gs)
-    chunk = max(1, (1 << 22) // max(k, 1))
-    for r0 in range(0, n, chunk):
-        rows = slice(r0, min(n, r0 + chunk))
-        wr = w[rows].reshape(-1, nb, F.NVFP4_BLOCK)
-        best_err = None
-        for c in CLIP_GRID:
-            bs = F.nvfp4_block_scales(amax[rows], gs, c)
-            codes = F.nvfp4_codes(w[rows], bs, gs)
-            d = wr - F.nvfp4_dequantize_codes(codes, bs, gs).reshape(wr.shape)
-            err = np.einsum("nbi,bij,nbj->nb", d, cbb, d)
-            if best_err is None:
-                best_err, best[rows] = err, bs
-            else:
-                better = err < best_err
-                best_err = np.where(better, err, best_err)
-                best[rows] = np.where(better, bs, best[rows])
-    unclipped = F.nvfp4_block_scales(amax, gs)
-    return best, float(np.mean(best != unclipped)) if best.size else 0.0
+class _Group:
+    """The parts of one projection [N_i, K] (float32) and what every quantization of them needs: the
+    largest |w| of each input channel over all rows (the amax of w diag(s) is max_k colmax_k s_k: rounding
+    is monotonic, so that equals the maximum over the scaled weights), the input's moments, the threads."""
 
+    def __init__(self, parts: list[np.ndarray], C: Moments, threads: int) -> None:
+        self.parts, self.C, self.threads = parts, C, threads
+        k = parts[0].shape[1]
+        self.colmax = np.zeros(k, np.float32)
+        for w in parts:
+            if w.size:
+                np.maximum(self.colmax, np.abs(w).max(axis=0), out=self.colmax)
 
-def _quantize(parts: list[np.ndarray], fmt: str, s: np.ndarray | None, C: Moments, clip: bool,
-              rows: list[np.ndarray] | None = None) -> tuple[list[QuantizedWeight], float]:
-    """The parts' columns times s quantized with one shared global scale (only `rows` of each part when
-    given); returns the weights (input_scale unset) and the share of NVFP4 blocks the search changed."""
-    scaled = [w if s is None else w * s[None, :] for w in parts]
-    amax = max(float(np.abs(w).max()) if w.size else 0.0 for w in scaled)
-    if rows is not None:
-        scaled = [w[r] for w, r in zip(scaled, rows)]
-    out, searched = [], []
-    if fmt == "fp8":
-        scale = F.fp8_scale(amax)
-        return [QuantizedWeight("fp8", F.fp8_quantize(w, scale), scale, np.float32(1.0)) for w in scaled], 0.0
-    gs = F.nvfp4_global_scale(amax)
-    for w in scaled:
-        if clip:
-            bs, share = _searched_block_scales(w, gs, C if s is None else C.scaled(s))
-            searched.append(share)
-        else:
-            bs = F.nvfp4_block_scales(F.block_amax(w), gs)
-        out.append(QuantizedWeight("nvfp4", F.pack_e2m1(F.nvfp4_codes(w, bs, gs)), gs, np.float32(1.0), bs))
-    return out, float(np.mean(searched)) if searched else 0.0
+    def amax(self, s: np.ndarray | None) -> float:
+        return float((self.colmax if s is None else self.colmax * s).max()) if self.colmax.size else 0.0
+
+    def quantize(self, fmt: str, s: np.ndarray | None, clip: bool,
+                 rows: list[np.ndarray] | None = None) -> tuple[list[QuantizedWeight], float]:
+        """The parts' columns times s quantized with one shared global scale (only `rows` of each part when
+        given); returns the weights (input_scale unset) and the share of NVFP4 blocks the search changed
+        (the mean over the parts)."""
+        amax = self.amax(s)
+        picked = self.parts if rows is None else [w[r] for w, r in zip(self.parts, rows)]
+        scaled = [w if s is None else w * s[None, :] for w in picked]
+        if fmt == "fp8":
+            scale = F.fp8_scale(amax)
+            return [QuantizedWeight("fp8", F.fp8_quantize(w, scale, self.threads), scale, np.float32(1.0))
+                    for w in scaled], 0.0
+        gs = F.nvfp4_global_scale(amax)
+        moments = self.C.blocks(s) if clip else None
+        out, searched = [], []
+        for w in scaled:
+            bs, packed, changed = F.nvfp4_quantize(w, gs, CLIP_GRID if clip else None, moments, self.threads)
+            searched.append(changed / bs.size if bs.size else 0.0)
+            out.append(QuantizedWeight("nvfp4", packed, gs, np.float32(1.0), bs))
+        return out, float(np.mean(searched)) if clip and searched else 0.0
+
+    def error(self, q: list[QuantizedWeight], s: np.ndarray | None, rows: list[np.ndarray] | None = None) -> float:
+        """E of the quantized parts (their columns divided by s), over `rows` of each part when given."""
+        total = 0.0
+        for i, w in enumerate(q):
+            d = w.dequantize(self.threads)
+            if s is not None:
+                d /= s[None, :]
+            src = self.parts[i] if rows is None else self.parts[i][rows[i]]
+            np.subtract(src, d, out=d)
+            total += self.C.error(d)
+        return total
 
 
 def quantize_group(parts: list[np.ndarray], fmt: str, stats: dict, method: str = "awq",
-                   tie: np.ndarray | None = None) -> GroupQuantization:
+                   tie: np.ndarray | None = None, threads: int = 0) -> GroupQuantization:
     """Quantizes the parts [N_i, K] (float32) of one projection to fmt ("fp8" or "nvfp4") sharing one global
     scale. stats: the calibration statistics of the projection's input ("abs_max", "abs_mean",
     "square_mean", "second_moment", which may be None: its diagonal square_mean stands in). method "rtn":
     ModelOpt's round-to-nearest; "awq": the search of the module docstring (tie: per-channel class ids whose
-    channels must share one scale, for a fold that needs it)."""
+    channels must share one scale, for a fold that needs it). threads: host threads for the codes (0: all
+    cores)."""
     if method not in ("rtn", "awq"):
         raise ValueError(f"method must be 'rtn' or 'awq', got {method!r}")
-    parts = [np.asarray(w, np.float32) for w in parts]
-    C = Moments.of(stats)
+    g = _Group([np.asarray(w, np.float32) for w in parts], Moments.of(stats), threads)
 
     def finish(weights: list[QuantizedWeight], p: np.ndarray | None, alpha: float, searched: float, error: float,
                rtn_error: float) -> GroupQuantization:
@@ -202,29 +212,28 @@ def quantize_group(parts: list[np.ndarray], fmt: str, stats: dict, method: str =
             w.input_scale = _input_scale(fmt, stats["abs_max"], p)
         return GroupQuantization(weights, p, alpha, searched, error, rtn_error)
 
-    rtn, _ = _quantize(parts, fmt, None, C, clip=False)
-    rtn_error = output_error(parts, [w.dequantize() for w in rtn], C)
+    rtn, _ = g.quantize(fmt, None, clip=False)
+    rtn_error = g.error(rtn, None)
     if method == "rtn":
         return finish(rtn, None, 0.0, 0.0, rtn_error, rtn_error)
 
     # alpha search on at most SEARCH_ROWS rows, spread evenly over the parts
-    total = sum(w.shape[0] for w in parts)
+    total = sum(w.shape[0] for w in g.parts)
     rows = None
     if total > SEARCH_ROWS:
-        rows = [np.linspace(0, w.shape[0] - 1, max(1, w.shape[0] * SEARCH_ROWS // total)).astype(np.int64) for w in parts]
-    sub = parts if rows is None else [w[r] for w, r in zip(parts, rows)]
+        rows = [np.linspace(0, w.shape[0] - 1, max(1, w.shape[0] * SEARCH_ROWS // total)).astype(np.int64)
+                for w in g.parts]
     best_alpha, best_err = 0.0, None
     for alpha in ALPHAS:
         s = _scales(stats["abs_mean"], float(alpha), tie)
-        q, _ = _quantize(parts, fmt, s, C, clip=False, rows=rows)
-        err = output_error(sub, [w.dequantize() / s[None, :] for w in q], C)
+        q, _ = g.quantize(fmt, s, clip=False, rows=rows)
+        err = g.error(q, s, rows)
         if best_err is None or err < best_err:
             best_alpha, best_err = float(alpha), err
     s = _scales(stats["abs_mean"], best_alpha, tie)
     candidates = [(rtn, None, 0.0, 0.0, rtn_error)]
     for clip in ((False, True) if fmt == "nvfp4" else (False,)):
-        q, searched = _quantize(parts, fmt, s, C, clip=clip)
-        err = output_error(parts, [w.dequantize() / s[None, :] for w in q], C)
-        candidates.append((q, (1.0 / s).astype(np.float32), best_alpha, searched, err))
+        q, searched = g.quantize(fmt, s, clip=clip)
+        candidates.append((q, (1.0 / s).astype(np.float32), best_alpha, searched, g.error(q, s)))
     q, p, alpha, searched, err = min(candidates, key=lambda c: c[4])
     return finish(q, p, alpha, searched, err, rtn_error)

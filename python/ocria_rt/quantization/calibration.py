@@ -9,7 +9,8 @@ followed by a teacher-forced continuation.
 
 Statistics of the projections' inputs are collected by the engine over every token of the calibration
 samples (Engine.observe_linear_inputs); the quality of a trial quantization is the KL divergence of the
-next-token distributions from the unquantized model's over the continuation tokens of held-out samples.
+next-token distributions from the unquantized model's over the continuation tokens of held-out samples,
+whose logits the engine keeps on its device and compares there (Engine.keep_reference, reference_kl).
 """
 
 from __future__ import annotations
@@ -152,17 +153,15 @@ def file_samples(eng: Any, paths: Sequence[str | Path], max_new_tokens: int = 51
     return out
 
 
-def score(eng: Any, s: Sample) -> np.ndarray:
-    return eng.score(s.ids, pixel_values=s.pixel_values, image_grid_thw=s.image_grid_thw)
-
-
 def collect_stats(eng: Any, samples: Sequence[Sample], tick: Callable[[], None] | None = None) -> list[dict]:
     """Per projection of eng.linear_groups(): the statistics of its input over every token of the samples,
-    with the second moment X^T X / n."""
+    with the second moment X^T X / n. Each sample runs as a reference of all its rows, dropped at once: the
+    LM head sees every row, as in score(), without the logits coming back to the host."""
     eng.observe_linear_inputs(True, second_moment=True)
     try:
         for s in samples:
-            score(eng, s)
+            eng.keep_reference(s.ids, 0, len(s.ids), s.pixel_values, s.image_grid_thw)
+            eng.clear_references()
             if tick:
                 tick()
     finally:
@@ -170,18 +169,14 @@ def collect_stats(eng: Any, samples: Sequence[Sample], tick: Callable[[], None] 
     return eng.linear_input_stats()
 
 
-def continuation_logprobs(eng: Any, s: Sample) -> np.ndarray:
-    """log-softmax of the logits that predict the sample's continuation tokens, [answer_tokens, vocab]."""
-    logits = score(eng, s)[s.answer_start - 1 : len(s.ids) - 1].astype(np.float64)
-    logits -= logits.max(axis=1, keepdims=True)
-    return logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+def keep_reference(eng: Any, s: Sample, logits: np.ndarray | None = None) -> int:
+    """Keeps the sample's continuation distributions on the engine's device (Engine.keep_reference): the
+    logits of rows answer_start - 1 .. n - 2, which predict the continuation tokens; `logits` (another
+    engine's, Engine.reference_logits) instead of the engine's own. Returns the reference's index."""
+    return eng.keep_reference(s.ids, s.answer_start - 1, len(s.ids) - 1, s.pixel_values, s.image_grid_thw, logits)
 
 
-def kl_divergence(eng: Any, samples: Sequence[Sample], reference: Sequence[np.ndarray]) -> float:
-    """Mean over the continuation tokens of KL(reference || eng) in nats."""
-    total, count = 0.0, 0
-    for s, ref in zip(samples, reference):
-        lp = continuation_logprobs(eng, s)
-        total += float(np.sum(np.exp(ref) * (ref - lp)))
-        count += len(ref)
-    return total / max(count, 1)
+def kl_divergence(eng: Any, references: Sequence[int]) -> float:
+    """Mean over the kept references' continuation tokens of KL(reference || eng) in nats."""
+    per_row = [eng.reference_kl(i) for i in references]
+    return float(sum(float(np.sum(k)) for k in per_row)) / max(sum(len(k) for k in per_row), 1)

@@ -28,7 +28,7 @@ import numpy as np
 
 from .. import _core
 from ..errors import ModelError
-from .awq import QuantizedWeight, quantize_group
+from .awq import GroupQuantization, QuantizedWeight, quantize_group
 from .formats import NVFP4_BLOCK
 from .safetensors_io import Checkpoint, from_float, write_checkpoint as write_tensors
 
@@ -239,16 +239,23 @@ def _excluded(groups: list[Group], plan: dict[str, str], ck: Checkpoint, config:
 
 
 def write_checkpoint(out: Path, model_dir: Path, ck: Checkpoint, groups: list[Group], plan: dict[str, str],
-                     stats: list[dict], method: str, shapes: Shapes) -> Built:
+                     stats: list[dict], method: str, shapes: Shapes, threads: int = 0,
+                     quantized_source: dict[str, GroupQuantization] | None = None) -> Built:
     """Quantizes the groups as `plan` says and writes the checkpoint, its configs and the model directory's
-    other files (tokenizer, processor, chat template, generation config) to `out`."""
+    other files (tokenizer, processor, chat template, generation config) to `out`. quantized_source: group
+    name -> its quantization (in the plan's format) of the source weights, taken as it is where no fold
+    has changed the group's weights."""
     w = SourceWeights(ck, groups)
     quantized: dict[str, QuantizedWeight] = {}
     built = Built("none", {}, {})
     order = sorted((g for g in groups if plan[g.name] != "dense"),
                    key=lambda g: (g.layer if g.layer is not None else 1 << 30, g.kind not in FOLDS_INTO_OTHERS))
     for g in order:
-        gq = quantize_group([w.get(m) for m in g.modules], plan[g.name], stats[g.slot], method, tie_classes(g, shapes))
+        unchanged = not any(weight_name(g, m, ck) in w.changed for m in g.modules)
+        gq = (quantized_source or {}).get(g.name) if unchanged else None
+        if gq is None:
+            gq = quantize_group([w.get(m) for m in g.modules], plan[g.name], stats[g.slot], method, tie_classes(g, shapes),
+                                threads)
         if gq.pre_quant_scale is not None:
             built.row_scales.update(fold(g, gq.pre_quant_scale, w, shapes))
             built.input_scales.update(dict.fromkeys(g.modules, gq.pre_quant_scale))

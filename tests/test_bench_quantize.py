@@ -1,0 +1,56 @@
+"""bench/quantize_time.py on the CPU with its tiny shape: the random VLM written with numpy, quantize
+timed stage by stage, the JSON and the Markdown table last."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import quantize_time  # noqa: E402
+from common import OCRIA1_VISION, SHAPES  # noqa: E402
+
+
+def test_quantize_time_tiny(tmp_path, capsys):
+    out = tmp_path / "quantize.json"
+    assert quantize_time.main([str(out), "--shape", "tiny", "--pages", "4", "--device", "cpu", "--threads", "1",
+                               "--workdir", str(tmp_path / "work")]) == 0
+    r = json.loads(out.read_text())
+    assert r["shape"] == "tiny" and r["device"] == "cpu" and r["recipe"] == "mixed" and r["pages"] == 4
+    assert r["calibration"]["samples"] == 3 and r["calibration"]["heldout_samples"] == 1
+    assert r["groups"] == 4 * 4 + 1 and r["trials"] == 2 * r["groups"]  # every group in FP8 and NVFP4
+    s = r["seconds"]
+    for stage in ("load", "calibration samples", "input statistics", "reference outputs", "sensitivity",
+                  "sensitivity/kl", "sensitivity/quantize", "writing", "checking/kl", "total"):
+        assert s[stage] > 0, stage
+    assert s["sensitivity"] < s["total"]
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-1].startswith("| total |") and lines[0].startswith("tiny (4 layers")
+    table = lines[[i for i, line in enumerate(lines) if line.startswith("| stage |")][0]:]
+    assert table[1] == "|---|---|---|" and any(line.startswith("|   kl |") for line in table)
+
+
+def test_random_checkpoint_layout():
+    """The 4B shape cut to 2 layers keeps a DeltaNet and an attention layer of the real shapes, and the
+    OCRia-1 vision tower; weights are drawn as bench/common.py draws them (norms zero, matrices 1/sqrt(fan_in))."""
+    text = dict(SHAPES["ocria1-4b"], num_hidden_layers=2)
+    types = quantize_time.layer_types(2)
+    assert types == ["linear_attention", "full_attention"]
+    assert quantize_time.layer_types(8) == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + [
+        "full_attention"]
+    shapes = quantize_time.tensor_shapes(text, types, dict(OCRIA1_VISION, out_hidden_size=2560))
+    p = "model.language_model.layers."
+    assert shapes[p + "0.linear_attn.in_proj_qkv.weight"] == (8192, 2560)
+    assert shapes[p + "1.self_attn.q_proj.weight"] == (8192, 2560)
+    assert shapes[p + "1.mlp.down_proj.weight"] == (2560, 9216)
+    assert shapes["model.language_model.embed_tokens.weight"] == (248320, 2560)
+    assert shapes["model.visual.blocks.23.attn.qkv.weight"] == (3072, 1024)
+    assert not any(".layers.2." in n for n in shapes)
+    w = quantize_time.random_tensor(p + "1.mlp.down_proj.weight", (64, 9216), seed=0)
+    assert w.dtype == np.uint16
+    f = (w.astype(np.uint32) << 16).view(np.float32)
+    assert abs(float(f.std()) * 9216**0.5 - 1.0) < 0.01
+    assert not np.any(quantize_time.random_tensor(p + "0.input_layernorm.weight", (2560,), seed=0))
