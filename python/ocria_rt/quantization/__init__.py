@@ -251,8 +251,11 @@ def quantize(
     with seconds("sensitivity"), ThreadPoolExecutor(1) as pool:
         pending = pool.submit(trial, *work[0]) if overlap and work else None
         for i, (g, fmt) in enumerate(work):
-            with seconds("sensitivity/wait for the quantization" if overlap else "sensitivity/quantize"):
-                gq, effective = pending.result() if overlap else trial(g, fmt)
+            if overlap:
+                with seconds("sensitivity/wait for the quantization"):
+                    gq, effective = pending.result()
+            else:
+                gq, effective = trial(g, fmt)
             if overlap and i + 1 < len(work):
                 pending = pool.submit(trial, *work[i + 1])
             try:
