@@ -64,10 +64,14 @@ def tensor_shapes(text: dict, types: list[str], vision: dict) -> dict[str, tuple
     return out
 
 
-def random_tensor(name: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
-    """BF16 bits of a tensor initialised as bench/common.make_random_checkpoint does (activations O(1))."""
-    n = int(np.prod(shape))
-    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+PIECE = 1 << 24  # values drawn at a time (a tensor is drawn in pieces, each seeded by its index)
+
+
+def random_piece(name: str, shape: tuple[int, ...], piece: int, seed: int) -> np.ndarray:
+    """BF16 bits of values piece * PIECE .. of a tensor initialised as bench/common.make_random_checkpoint
+    does (activations O(1))."""
+    n = min(PIECE, int(np.prod(shape)) - piece * PIECE)
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode()), piece])
     if ("visual" in name and ".norm" in name and name.endswith("weight")) or name.endswith("dt_bias") or (
             name.endswith("norm.weight") and "linear_attn" in name):
         t = np.ones(n, np.float32)
@@ -82,12 +86,12 @@ def random_tensor(name: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
     else:
         t = rng.standard_normal(n, np.float32) * np.float32(int(np.prod(shape[1:])) ** -0.5)
     u = t.view(np.uint32)
-    return ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16).reshape(shape)
+    return ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
 
 
 def write_random_checkpoint(directory: Path, text: dict, vision: dict, seed: int = 0, threads: int = 0) -> Path:
-    """The random VLM directory (config, processor, tokenizer, one model.safetensors written tensor by
-    tensor as threads draw them). An existing one (config.json present) is kept."""
+    """The random VLM directory (config, processor, tokenizer, one model.safetensors written piece by piece
+    as threads draw them). An existing one (config.json present) is kept."""
     import ocria_rt
 
     if (directory / "config.json").exists():
@@ -103,11 +107,12 @@ def write_random_checkpoint(directory: Path, text: dict, vision: dict, seed: int
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
+    pieces = [(n, p) for n in names for p in range(-(-int(np.prod(shapes[n])) // PIECE))]
     workers = threads or os.cpu_count() or 1
     with open(directory / "model.safetensors", "wb") as f, ThreadPoolExecutor(workers) as pool:
         f.write(struct.pack("<Q", len(blob)) + blob)
-        for i in range(0, len(names), workers):  # a window of tensors in flight, written in order
-            for t in pool.map(lambda n: random_tensor(n, shapes[n], seed), names[i:i + workers]):
+        for i in range(0, len(pieces), workers):  # a window of pieces in flight, written in order
+            for t in pool.map(lambda np_: random_piece(np_[0], shapes[np_[0]], np_[1], seed), pieces[i:i + workers]):
                 f.write(t.tobytes())
 
     small = Path(ocria_rt.__file__).resolve().parent / "models" / "tiny-vlm"

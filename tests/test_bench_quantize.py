@@ -33,7 +33,7 @@ def test_quantize_time_tiny(tmp_path, capsys):
     assert table[1] == "|---|---|---|" and any(line.startswith("|   kl |") for line in table)
 
 
-def test_random_checkpoint_layout():
+def test_random_checkpoint_layout(monkeypatch):
     """The 4B shape cut to 2 layers keeps a DeltaNet and an attention layer of the real shapes, and the
     OCRia-1 vision tower; weights are drawn as bench/common.py draws them (norms zero, matrices 1/sqrt(fan_in))."""
     text = dict(SHAPES["ocria1-4b"], num_hidden_layers=2)
@@ -49,8 +49,11 @@ def test_random_checkpoint_layout():
     assert shapes["model.language_model.embed_tokens.weight"] == (248320, 2560)
     assert shapes["model.visual.blocks.23.attn.qkv.weight"] == (3072, 1024)
     assert not any(".layers.2." in n for n in shapes)
-    w = quantize_time.random_tensor(p + "1.mlp.down_proj.weight", (64, 9216), seed=0)
-    assert w.dtype == np.uint16
-    f = (w.astype(np.uint32) << 16).view(np.float32)
-    assert abs(float(f.std()) * 9216**0.5 - 1.0) < 0.01
-    assert not np.any(quantize_time.random_tensor(p + "0.input_layernorm.weight", (2560,), seed=0))
+    monkeypatch.setattr(quantize_time, "PIECE", 40_000)
+    shape = (8, 9216)  # two pieces
+    w = [quantize_time.random_piece(p + "1.mlp.down_proj.weight", shape, i, seed=0) for i in (0, 1)]
+    assert w[0].dtype == np.uint16 and w[0].size == 40_000 and w[1].size == 8 * 9216 - 40_000
+    f = (np.concatenate(w).astype(np.uint32) << 16).view(np.float32)
+    assert abs(float(f.std()) * 9216**0.5 - 1.0) < 0.02
+    assert not np.array_equal(w[0][:1000], w[1][:1000])  # each piece has its own seed
+    assert not np.any(quantize_time.random_piece(p + "0.input_layernorm.weight", (2560,), 0, seed=0))

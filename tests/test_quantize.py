@@ -91,20 +91,38 @@ def test_codes_match_numpy_reference(threads):
     rng = np.random.default_rng(1)
     w = awkward_weights(rng, 203, 96)
     for scale in (np.float32(np.abs(w).max() / 448), np.float32(1e-3), np.float32(7.5)):
-        codes = F.fp8_quantize(w, scale, threads)
+        codes = F.fp8_quantize(w, scale, threads=threads)
         np.testing.assert_array_equal(codes, qn.encode_e4m3(w / scale))
-        np.testing.assert_array_equal(F.fp8_dequantize(codes, scale, threads), qn.E4M3_TABLE[codes] * scale)
+        np.testing.assert_array_equal(F.fp8_dequantize(codes, scale, threads=threads), qn.E4M3_TABLE[codes] * scale)
     x = np.frombuffer(rng.integers(0, 2**32, 200_000, dtype=np.uint32).tobytes(), np.float32)
     x = x[np.isfinite(x)]  # every finite float pattern: the encoder's bit arithmetic against the table search
-    np.testing.assert_array_equal(F.fp8_quantize(x, 1.0, threads), qn.encode_e4m3(x))
+    np.testing.assert_array_equal(F.fp8_quantize(x, 1.0, threads=threads), qn.encode_e4m3(x))
     for gs in (F.nvfp4_global_scale(float(np.abs(w).max())), np.float32(1e-9), np.float32(0.01)):
         bs, packed, changed = F.nvfp4_quantize(w, gs, threads=threads)
         want_bs = qn.nvfp4_block_scales(qn.block_amax(w), gs)
         np.testing.assert_array_equal(bs, want_bs)
         np.testing.assert_array_equal(packed, qn.pack_e2m1(qn.nvfp4_codes(w, want_bs, gs)))
-        np.testing.assert_array_equal(F.nvfp4_dequantize(packed, bs, gs, threads),
+        np.testing.assert_array_equal(F.nvfp4_dequantize(packed, bs, gs, threads=threads),
                                       qn.dequant_nvfp4(packed, qn.E4M3_TABLE[bs], float(gs)))
         assert changed == 0
+    # with AWQ's column scale s: the codes of w * s, and the error minuend - dequant / s, each step in fp32
+    s = np.exp(rng.uniform(-3, 3, w.shape[1])).astype(np.float32)
+    scaled = w * s
+    scale, gs = np.float32(np.abs(scaled).max() / 448), F.nvfp4_global_scale(float(np.abs(scaled).max()))
+    codes = F.fp8_quantize(w, scale, s, threads)
+    np.testing.assert_array_equal(codes, qn.encode_e4m3(scaled / scale))
+    np.testing.assert_array_equal(F.fp8_dequantize(codes, scale, s, w, threads), w - (qn.E4M3_TABLE[codes] * scale) / s)
+    bs, packed, _ = F.nvfp4_quantize(w, gs, col_scale=s, threads=threads)
+    np.testing.assert_array_equal(bs, qn.nvfp4_block_scales(qn.block_amax(scaled), gs))
+    np.testing.assert_array_equal(packed, qn.pack_e2m1(qn.nvfp4_codes(scaled, bs, gs)))
+    np.testing.assert_array_equal(F.nvfp4_dequantize(packed, bs, gs, s, w, threads),
+                                  w - qn.dequant_nvfp4(packed, qn.E4M3_TABLE[bs], float(gs)) / s)
+    with pytest.raises(ocria_rt.InvalidArgumentError, match=r"col_scale must be \[K\] = \[96\]"):
+        F.fp8_quantize(w, scale, s[:5])
+    with pytest.raises(ocria_rt.InvalidArgumentError, match=r"minuend must be \[203, 96\]"):
+        F.nvfp4_dequantize(packed, bs, gs, s, w[:3])
+    with pytest.raises(ocria_rt.InvalidArgumentError, match="not a multiple of 16"):
+        F.nvfp4_quantize(w[:, :40], gs)
 
 
 def test_clip_search_matches_numpy_reference():

@@ -12,7 +12,9 @@ namespace {
 
 constexpr float kFp8Max = 448.0f;
 constexpr uint8_t kE4m3One = 0x38;  // 1.0: the block scale of an all-zero block
-constexpr float kE2m1Values[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+// code -> value, the sign in bit 3 (a table: the sign is random, a branch on it would mispredict)
+constexpr float kE2m1Values[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                   -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
 int thread_count(int threads) { return threads > 0 ? threads : int(std::max(1u, std::thread::hardware_concurrency())); }
 
@@ -82,31 +84,56 @@ uint8_t e2m1_code(float q) {
   return uint8_t(index | (std::signbit(q) ? 8 : 0));
 }
 
-float e2m1_value(uint8_t code) { return (code & 8) ? -kE2m1Values[code & 7] : kE2m1Values[code & 7]; }
+float e2m1_value(uint8_t code) { return kE2m1Values[code & 15]; }
 
-void fp8_quantize(const float* w, int64_t count, float scale, uint8_t* codes, int threads) {
-#pragma omp parallel for num_threads(thread_count(threads)) schedule(static) if (count > (1 << 16))
-  for (int64_t i = 0; i < count; ++i) codes[i] = e4m3_code(w[i] / scale);
+void fp8_quantize(const float* w, int64_t rows, int64_t K, const float* col_scale, float scale, uint8_t* codes,
+                  int threads) {
+#pragma omp parallel for num_threads(thread_count(threads)) schedule(static) if (rows * K > (1 << 16))
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t k = 0; k < K; ++k) {
+      const float v = col_scale ? w[r * K + k] * col_scale[k] : w[r * K + k];
+      codes[r * K + k] = e4m3_code(v / scale);
+    }
 }
 
-void fp8_dequantize(const uint8_t* codes, int64_t count, float scale, float* out, int threads) {
+namespace {
+
+// out[k] = minuend[k] - v[k] / divisor[k] for one row (either step left out where its pointer is null).
+inline void finish_row(float* out, const float* col_divisor, const float* minuend, int64_t K) {
+  if (col_divisor)
+    for (int64_t k = 0; k < K; ++k) out[k] /= col_divisor[k];
+  if (minuend)
+    for (int64_t k = 0; k < K; ++k) out[k] = minuend[k] - out[k];
+}
+
+}  // namespace
+
+void fp8_dequantize(const uint8_t* codes, int64_t rows, int64_t K, float scale, const float* col_divisor,
+                    const float* minuend, float* out, int threads) {
   const std::array<float, 256>& table = e4m3_table();
-#pragma omp parallel for num_threads(thread_count(threads)) schedule(static) if (count > (1 << 16))
-  for (int64_t i = 0; i < count; ++i) out[i] = table[codes[i]] * scale;
+#pragma omp parallel for num_threads(thread_count(threads)) schedule(static) if (rows * K > (1 << 16))
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t k = 0; k < K; ++k) out[r * K + k] = table[codes[r * K + k]] * scale;
+    finish_row(out + r * K, col_divisor, minuend ? minuend + r * K : nullptr, K);
+  }
 }
 
-int64_t nvfp4_quantize(const float* w, int64_t rows, int64_t K, float gs, const ClipSearch* search,
-                       uint8_t* block_scales, uint8_t* packed, int threads) {
+int64_t nvfp4_quantize(const float* w, int64_t rows, int64_t K, const float* col_scale, float gs,
+                       const ClipSearch* search, uint8_t* block_scales, uint8_t* packed, int threads) {
   const int64_t nb = K / kBlock;
   const float six_gs = 6.0f * gs;
   int64_t changed = 0;
 #pragma omp parallel for num_threads(thread_count(threads)) schedule(static) reduction(+ : changed) if (rows * K > (1 << 16))
   for (int64_t r = 0; r < rows; ++r) {
     uint8_t codes[kBlock], trial[kBlock];
+    float wb[kBlock];
     for (int64_t b = 0; b < nb; ++b) {
-      const float* wb = w + r * K + b * kBlock;
+      const float* src = w + r * K + b * kBlock;
       float amax = 0.0f;
-      for (int64_t k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(wb[k]));
+      for (int64_t k = 0; k < kBlock; ++k) {
+        wb[k] = col_scale ? src[k] * col_scale[b * kBlock + k] : src[k];
+        amax = std::max(amax, std::fabs(wb[k]));
+      }
       const uint8_t plain = block_scale_code(amax, 1.0f, six_gs);
       uint8_t best = plain;
       if (search && search->count > 0) {
@@ -136,11 +163,11 @@ int64_t nvfp4_quantize(const float* w, int64_t rows, int64_t K, float gs, const 
   return changed;
 }
 
-void nvfp4_dequantize(const uint8_t* packed, const uint8_t* block_scales, int64_t rows, int64_t K, float gs, float* out,
-                      int threads) {
+void nvfp4_dequantize(const uint8_t* packed, const uint8_t* block_scales, int64_t rows, int64_t K, float gs,
+                      const float* col_divisor, const float* minuend, float* out, int threads) {
   const int64_t nb = K / kBlock;
 #pragma omp parallel for num_threads(thread_count(threads)) schedule(static) if (rows * K > (1 << 16))
-  for (int64_t r = 0; r < rows; ++r)
+  for (int64_t r = 0; r < rows; ++r) {
     for (int64_t b = 0; b < nb; ++b) {
       const float bs = e4m3_value(block_scales[r * nb + b]);
       const uint8_t* p = packed + r * (K / 2) + b * (kBlock / 2);
@@ -150,6 +177,8 @@ void nvfp4_dequantize(const uint8_t* packed, const uint8_t* block_scales, int64_
         o[2 * j + 1] = (e2m1_value(p[j] >> 4) * bs) * gs;
       }
     }
+    finish_row(out + r * K, col_divisor, minuend ? minuend + r * K : nullptr, K);
+  }
 }
 
 }  // namespace ocria_rt::weight_codes

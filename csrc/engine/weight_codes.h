@@ -20,9 +20,17 @@ float e4m3_value(uint8_t code);
 uint8_t e2m1_code(float q);
 float e2m1_value(uint8_t code);
 
-// codes[i] = e4m3(w[i] / scale).
-void fp8_quantize(const float* w, int64_t count, float scale, uint8_t* codes, int threads);
-void fp8_dequantize(const uint8_t* codes, int64_t count, float scale, float* out, int threads);
+// Weights w [rows, K] are quantized times an optional per-column scale s [K] (the AWQ scales: w[r, k] * s[k]
+// in fp32, as if the scaled weights were given); dequantized weights are optionally divided by a column
+// divisor [K] and subtracted from a minuend [rows, K] (out = minuend - dequant / divisor, each step in fp32:
+// the error of a quantization in the weights' own domain). Null pointers leave the step out.
+
+// codes = e4m3((w * s) / scale).
+void fp8_quantize(const float* w, int64_t rows, int64_t K, const float* col_scale, float scale, uint8_t* codes,
+                  int threads);
+// out = e4m3 value * scale (then the divisor and minuend).
+void fp8_dequantize(const uint8_t* codes, int64_t rows, int64_t K, float scale, const float* col_divisor,
+                    const float* minuend, float* out, int threads);
 
 // The clip search of the NVFP4 block scales: each block's factor is the one of `factors` (in order;
 // the first of equal errors) whose dequantized block d = w - dequant minimises d^T C_b d, C_b the
@@ -34,13 +42,14 @@ struct ClipSearch {
   const float* block_moments = nullptr;
 };
 
-// NVFP4 of w [rows, K] (K a multiple of 16) under the global scale gs: block scale codes
+// NVFP4 of w [rows, K] (times s; K a multiple of 16) under the global scale gs: block scale codes
 // [rows, K / 16] and packed codes [rows, K / 2]. Factor 1 (ModelOpt's scales) without a search.
 // Returns how many blocks the search gave a scale code other than factor 1's.
-int64_t nvfp4_quantize(const float* w, int64_t rows, int64_t K, float gs, const ClipSearch* search,
-                       uint8_t* block_scales, uint8_t* packed, int threads);
-// out [rows, K] = e2m1 value * e4m3 block scale value * gs (in that order, in fp32).
-void nvfp4_dequantize(const uint8_t* packed, const uint8_t* block_scales, int64_t rows, int64_t K, float gs, float* out,
-                      int threads);
+int64_t nvfp4_quantize(const float* w, int64_t rows, int64_t K, const float* col_scale, float gs,
+                       const ClipSearch* search, uint8_t* block_scales, uint8_t* packed, int threads);
+// out [rows, K] = e2m1 value * e4m3 block scale value * gs (in that order, in fp32; then the divisor and
+// minuend).
+void nvfp4_dequantize(const uint8_t* packed, const uint8_t* block_scales, int64_t rows, int64_t K, float gs,
+                      const float* col_divisor, const float* minuend, float* out, int threads);
 
 }  // namespace ocria_rt::weight_codes

@@ -239,20 +239,26 @@ def quantize(
     quantized_groups: dict[tuple[str, str], GroupQuantization] = {}
     work = [(g, f) for g in candidates for f in trial_formats[g.name]]
 
+    bar.start("sensitivity", len(work))
+    # Where the forward passes run on a GPU, the next group is quantized on the host's cores meanwhile,
+    # one core left to the thread that drives the GPU.
+    overlap = _overlap_quantization(device)
+    trial_threads = num_threads if num_threads > 0 or not overlap else max(1, (os.cpu_count() or 2) - 1)
+
     def trial(g: writer.Group, fmt: str) -> tuple[GroupQuantization, list]:
         with seconds("sensitivity/quantize" + (" (beside the KL passes)" if overlap else "")):
             parts = [source.get(m) for m in g.modules]
-            gq = quantize_group(parts, fmt, stats[g.slot], method, writer.tie_classes(g, shapes), num_threads)
-            return gq, gq.effective(num_threads)
+            gq = quantize_group(parts, fmt, stats[g.slot], method, writer.tie_classes(g, shapes), trial_threads)
+            return gq, gq.effective(trial_threads)
 
-    bar.start("sensitivity", len(work))
-    # Where the forward passes run on a GPU, the next group is quantized on the host's cores meanwhile.
-    overlap = _overlap_quantization(device)
     with seconds("sensitivity"), ThreadPoolExecutor(1) as pool:
         pending = pool.submit(trial, *work[0]) if overlap and work else None
         for i, (g, fmt) in enumerate(work):
-            with seconds("sensitivity/wait for the quantization" if overlap else "sensitivity/quantize"):
-                gq, effective = pending.result() if overlap else trial(g, fmt)
+            if overlap:
+                with seconds("sensitivity/wait for the quantization"):
+                    gq, effective = pending.result()
+            else:
+                gq, effective = trial(g, fmt)
             if overlap and i + 1 < len(work):
                 pending = pool.submit(trial, *work[i + 1])
             try:

@@ -41,10 +41,12 @@ class QuantizedWeight:
     input_scale: np.float32
     block_scale: np.ndarray | None = None
 
-    def dequantize(self, threads: int = 0) -> np.ndarray:
+    def dequantize(self, threads: int = 0, col_divisor: np.ndarray | None = None,
+                   minuend: np.ndarray | None = None) -> np.ndarray:
+        """The dequantized weight [N, K] (minuend - it / col_divisor where given)."""
         if self.fmt == "fp8":
-            return F.fp8_dequantize(self.codes, self.scale, threads)
-        return F.nvfp4_dequantize(self.codes, self.block_scale, self.scale, threads)
+            return F.fp8_dequantize(self.codes, self.scale, col_divisor, minuend, threads)
+        return F.nvfp4_dequantize(self.codes, self.block_scale, self.scale, col_divisor, minuend, threads)
 
     def tensors(self, module: str) -> dict[str, tuple[str, np.ndarray]]:
         """The safetensors entries of the module, named and typed as ModelOpt writes them."""
@@ -122,11 +124,6 @@ class Moments:
         return out
 
 
-def output_error(parts: list[np.ndarray], effective: list[np.ndarray], C: Moments) -> float:
-    """sum over parts of tr(D C D^T), D = W - W_eff."""
-    return sum(C.error(w - e) for w, e in zip(parts, effective))
-
-
 def _scales(abs_mean: np.ndarray, alpha: float, tie: np.ndarray | None) -> np.ndarray:
     """s = mean|x|^alpha (tie: channels with one class id share their class's mean), normalised so that
     sqrt(max(s) * min(s)) = 1."""
@@ -151,6 +148,7 @@ class _Group:
 
     def __init__(self, parts: list[np.ndarray], C: Moments, threads: int) -> None:
         self.parts, self.C, self.threads = parts, C, threads
+        self._rows: tuple[list[np.ndarray], list[np.ndarray]] | None = None
         k = parts[0].shape[1]
         self.colmax = np.zeros(k, np.float32)
         for w in parts:
@@ -166,32 +164,30 @@ class _Group:
         given); returns the weights (input_scale unset) and the share of NVFP4 blocks the search changed
         (the mean over the parts)."""
         amax = self.amax(s)
-        picked = self.parts if rows is None else [w[r] for w, r in zip(self.parts, rows)]
-        scaled = [w if s is None else w * s[None, :] for w in picked]
+        picked = self.parts if rows is None else self.rows_of(rows)
         if fmt == "fp8":
             scale = F.fp8_scale(amax)
-            return [QuantizedWeight("fp8", F.fp8_quantize(w, scale, self.threads), scale, np.float32(1.0))
-                    for w in scaled], 0.0
+            return [QuantizedWeight("fp8", F.fp8_quantize(w, scale, s, self.threads), scale, np.float32(1.0))
+                    for w in picked], 0.0
         gs = F.nvfp4_global_scale(amax)
         moments = self.C.blocks(s) if clip else None
         out, searched = [], []
-        for w in scaled:
-            bs, packed, changed = F.nvfp4_quantize(w, gs, CLIP_GRID if clip else None, moments, self.threads)
+        for w in picked:
+            bs, packed, changed = F.nvfp4_quantize(w, gs, CLIP_GRID if clip else None, moments, s, self.threads)
             searched.append(changed / bs.size if bs.size else 0.0)
             out.append(QuantizedWeight("nvfp4", packed, gs, np.float32(1.0), bs))
         return out, float(np.mean(searched)) if clip and searched else 0.0
 
+    def rows_of(self, rows: list[np.ndarray]) -> list[np.ndarray]:
+        """`rows` of each part (the alpha search's; taken once)."""
+        if self._rows is None or self._rows[0] is not rows:
+            self._rows = (rows, [w[r] for w, r in zip(self.parts, rows)])
+        return self._rows[1]
+
     def error(self, q: list[QuantizedWeight], s: np.ndarray | None, rows: list[np.ndarray] | None = None) -> float:
         """E of the quantized parts (their columns divided by s), over `rows` of each part when given."""
-        total = 0.0
-        for i, w in enumerate(q):
-            d = w.dequantize(self.threads)
-            if s is not None:
-                d /= s[None, :]
-            src = self.parts[i] if rows is None else self.parts[i][rows[i]]
-            np.subtract(src, d, out=d)
-            total += self.C.error(d)
-        return total
+        src = self.parts if rows is None else self.rows_of(rows)
+        return sum(self.C.error(w.dequantize(self.threads, s, part)) for w, part in zip(q, src))
 
 
 def quantize_group(parts: list[np.ndarray], fmt: str, stats: dict, method: str = "awq",

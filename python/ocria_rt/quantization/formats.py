@@ -54,13 +54,23 @@ def fp8_scale(amax: float) -> np.float32:
     return np.float32(amax / FP8_MAX) if amax > 0 else np.float32(1.0)
 
 
-def fp8_quantize(w: np.ndarray, scale: np.float32, threads: int = 0) -> np.ndarray:
-    """E4M3 codes (uint8, w's shape) of w / scale."""
-    return _core.fp8_quantize(np.asarray(w, np.float32), float(scale), threads)
+def _rows(w: np.ndarray) -> np.ndarray:
+    """w as float32 rows (a matrix as it is; a vector or a scalar as one row)."""
+    a = np.asarray(w, np.float32)
+    return a if a.ndim == 2 else a.reshape(1, -1) if a.ndim < 2 else a.reshape(-1, a.shape[-1])
 
 
-def fp8_dequantize(codes: np.ndarray, scale: np.float32, threads: int = 0) -> np.ndarray:
-    return _core.fp8_dequantize(np.asarray(codes, np.uint8), float(scale), threads)
+def fp8_quantize(w: np.ndarray, scale: np.float32, col_scale: np.ndarray | None = None, threads: int = 0) -> np.ndarray:
+    """E4M3 codes (uint8, w's shape) of (w * col_scale) / scale, col_scale [K] multiplying w's columns."""
+    a = np.asarray(w, np.float32)
+    return _core.fp8_quantize(_rows(a), float(scale), col_scale, threads).reshape(a.shape)
+
+
+def fp8_dequantize(codes: np.ndarray, scale: np.float32, col_divisor: np.ndarray | None = None,
+                   minuend: np.ndarray | None = None, threads: int = 0) -> np.ndarray:
+    """codes [N, K] -> float32 e4m3 value * scale; then divided by col_divisor [K] and subtracted from
+    minuend [N, K] where given (minuend - value / col_divisor: a quantization's error in its weights' domain)."""
+    return _core.fp8_dequantize(np.asarray(codes, np.uint8), float(scale), col_divisor, minuend, threads)
 
 
 # ---- NVFP4 ----
@@ -70,21 +80,23 @@ def nvfp4_global_scale(amax: float) -> np.float32:
 
 
 def nvfp4_quantize(w: np.ndarray, global_scale: np.float32, clip_factors: np.ndarray | None = None,
-                   block_moments: np.ndarray | None = None, threads: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
-    """NVFP4 of w [N, K] (K a multiple of 16): (block scale codes [N, K/16], packed codes [N, K/2], the
-    number of blocks whose scale the search changed). With clip_factors and block_moments (the input's
-    second moment's 16 x 16 diagonal blocks, [K/16, 16, 16]) each block's scale is the block maximum
-    times the factor, in the order given, that minimises d^T C_b d of its dequantization error d (the
-    first of equal ones); without them, ModelOpt's (factor 1)."""
+                   block_moments: np.ndarray | None = None, col_scale: np.ndarray | None = None,
+                   threads: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
+    """NVFP4 of w [N, K] times col_scale [K] (K a multiple of 16): (block scale codes [N, K/16], packed codes
+    [N, K/2], the number of blocks whose scale the search changed). With clip_factors and block_moments
+    (the second moment's 16 x 16 diagonal blocks, [K/16, 16, 16], of the scaled weights' input) each
+    block's scale is the block maximum times the factor, in the order given, that minimises d^T C_b d of
+    its dequantization error d (the first of equal ones); without them, ModelOpt's (factor 1)."""
     factors = None if clip_factors is None else np.asarray(clip_factors, np.float32)
     moments = None if block_moments is None else np.asarray(block_moments, np.float32)
     scales, packed, changed = _core.nvfp4_quantize(np.asarray(w, np.float32), float(global_scale), factors, moments,
-                                                   threads)
+                                                   col_scale, threads)
     return scales, packed, int(changed)
 
 
 def nvfp4_dequantize(packed: np.ndarray, block_scale: np.ndarray, global_scale: np.float32,
+                     col_divisor: np.ndarray | None = None, minuend: np.ndarray | None = None,
                      threads: int = 0) -> np.ndarray:
-    """float32 [N, K] = e2m1 value * e4m3 block scale value * global scale."""
+    """float32 [N, K] = e2m1 value * e4m3 block scale value * global scale; then as fp8_dequantize."""
     return _core.nvfp4_dequantize(np.asarray(packed, np.uint8), np.asarray(block_scale, np.uint8),
-                                  float(global_scale), threads)
+                                  float(global_scale), col_divisor, minuend, threads)
