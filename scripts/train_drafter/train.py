@@ -56,7 +56,10 @@ def target_tables(target: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 
 def load_cache(data: Path) -> list[dict]:
+    """The cached pages with at least one anchor to train (index: the page's place in the cache, which is
+    its index in data.py's page sources)."""
     pages = []
+    index = 0
     for shard in sorted(data.glob("shard-*.npz")):
         z = np.load(shard)
         n = len({k.split("/")[0] for k in z.files})
@@ -64,7 +67,8 @@ def load_cache(data: Path) -> list[dict]:
             ids, taps, plen = z[f"{j}/ids"], z[f"{j}/taps"], int(z[f"{j}/prompt_len"])
             if len(ids) - plen >= 2:  # at least one anchor with a label
                 pages.append({"ids": torch.from_numpy(ids.astype(np.int64)), "taps": torch.from_numpy(taps),
-                              "prompt_len": plen})
+                              "prompt_len": plen, "index": index})
+            index += 1
     if not pages:
         raise SystemExit(f"no usable cached pages in {data} (run data.py first)")
     return pages
