@@ -195,10 +195,11 @@ def main(argv=None) -> None:
     gamma = args.gamma or GAMMA.get(B, B / 2)
     embed_in = embed * float(spec.extra.get("input_embedding_scale", 1.0))
     log = (args.out / "log.jsonl").open("a")
+    run_args = vars(args) | {"target": str(args.target), "data": str(args.data), "out": str(args.out)}
     if ck is None:
-        log.write(json.dumps({"start": vars(args) | {"target": str(args.target), "data": str(args.data),
-                                                    "out": str(args.out)}, "pages": len(pages),
-                              "spec": dataclasses.asdict(spec)}) + "\n")
+        log.write(json.dumps({"start": run_args, "pages": len(pages), "spec": dataclasses.asdict(spec)}) + "\n")
+    else:  # a resume may change the schedule (--steps) or the threads
+        log.write(json.dumps({"resume": run_args, "step": step, "pages": len(pages)}) + "\n")
 
     def save() -> None:
         tmp = args.out / "ckpt.pt.tmp"
