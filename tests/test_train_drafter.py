@@ -63,6 +63,7 @@ def test_smoke_recipe(tmp_path) -> None:
             sys.modules.pop(n, None)
         sys.modules.update(saved)
     assert r["proposals_match"] and r["greedy_match"] == len(smoke.PROMPT_SEEDS)
+    assert r["loop_steps_match"] > 0  # the engine's proposals = torch's at every step on the image pages
     assert r["steps"] == 40 and r["ce_last"] < r["ce_first"]
     assert (tmp_path / "run" / "drafter" / "model.safetensors").is_file()
 

@@ -6,7 +6,9 @@ greedy answer through ocria_rt's engine (plain decoding), and the taps of prompt
 target's hidden states at the drafter's target_layer_ids from one transformers forward over the whole
 sequence (`hidden_states[id + 1]`, the output of decoder layer `id`). Shards of pages are cached as
 `shard-NNNNN.npz` in the cache directory: ids (int32 [N]), prompt_len, taps (float16 [N, n_taps * H]);
-existing shards are kept, so an interrupted run resumes.
+existing shards are kept, so an interrupted run resumes. meta.json records the options and what synthdoc
+drew the pages from (under another text source, e.g. without faker, the same seeds are other pages), so
+that a resume or evaluate.py --data does not mix pages.
 
     python scripts/train_drafter/data.py --target python/ocria_rt/models/ocria-mini --out runs/d/data \
         --layers 1 3 5 --pages 400
@@ -43,6 +45,14 @@ def page_sources(args):
     cfg = synthdoc.training_page_config(args.target)
     for i, (image, _, meta) in enumerate(synthdoc.iter_dataset(args.split, args.pages, args.seed, cfg)):
         yield f"{args.split}/{meta['seed']}", image
+
+
+def pages_from(args) -> dict | None:
+    """What synthdoc's pages of a seed are drawn from here (its text source and fonts: with another faker
+    version, or without faker, the same seeds are other pages); None for --images."""
+    if args.images:
+        return None
+    return synthdoc.page_sources(synthdoc.training_page_config(args.target))
 
 
 def load_transformers_target(target: Path):
@@ -93,7 +103,7 @@ def main(argv=None) -> None:
     meta_path = args.out / "meta.json"
     meta = {"target": str(args.target), "layers": args.layers, "split": args.split, "seed": args.seed,
             "images": str(args.images) if args.images else None, "prompt": DEFAULT_PROMPT,
-            "position_ids": "sequence index"}
+            "position_ids": "sequence index", "pages_from": pages_from(args)}
     if meta_path.exists() and json.loads(meta_path.read_text()) != meta:
         raise SystemExit(f"{meta_path} was written for other options: {meta_path.read_text()}")
     meta_path.write_text(json.dumps(meta, indent=1) + "\n")

@@ -6,10 +6,14 @@ speculative=False, in alternating order; the outputs must be the same tokens. Re
 verify step, bonus included), the decode tokens/s of both (the engine's decode timer) and end-to-end
 pages/s, the process CPU seconds per page of both (the fair figure on a shared machine with
 --threads 1), and CER against the page's Markdown. --block-sizes evaluates the same weights at other block
-sizes (a copy of the drafter with dflash_config.block_size changed).
+sizes (a copy of the drafter with dflash_config.block_size changed). --data runs pages of data.py's cache
+(pages --start .. --start + --pages - 1 of its split and seed; e.g. the drafter's own training pages) and
+counts the pages whose plain greedy answer is the cached one (it is not when synthdoc draws the same
+seeds from another text source than the cache's).
 
     python scripts/train_drafter/evaluate.py --target python/ocria_rt/models/ocria-mini --drafter runs/d/drafter \
         --pages 100 --block-sizes 16 8 --json runs/d/eval.json
+    python scripts/train_drafter/evaluate.py --target ... --drafter runs/d/drafter --data runs/d/data --pages 16
 """
 
 from __future__ import annotations
@@ -39,7 +43,20 @@ def with_block_size(drafter: Path, block: int, tmp: Path) -> Path:
     return out
 
 
-def evaluate(target: Path, drafter: Path, pages: list, max_new: int, threads: int) -> dict:
+def cached_answers(data: Path, start: int, n: int) -> list[list[int]]:
+    """The target's greedy answers of cached pages start .. start + n - 1 (data.py's shards, in order)."""
+    answers: list[list[int]] = []
+    for shard in sorted(data.glob("shard-*.npz")):
+        z = np.load(shard)
+        for j in range(len({k.split("/")[0] for k in z.files})):
+            answers.append(z[f"{j}/ids"][int(z[f"{j}/prompt_len"]):].tolist())
+    if len(answers) < start + n:
+        raise SystemExit(f"{data} caches {len(answers)} pages; --start {start} --pages {n} needs {start + n}")
+    return answers[start: start + n]
+
+
+def evaluate(target: Path, drafter: Path, pages: list, max_new: int, threads: int,
+             cached: list[list[int]] | None = None) -> dict:
     import ocria_rt
     from ocria_rt.chat import build_multimodal_prompt
 
@@ -55,7 +72,7 @@ def evaluate(target: Path, drafter: Path, pages: list, max_new: int, threads: in
     decode_s = {True: 0.0, False: 0.0}
     decode_tokens = 0
     accept: list[int] = []
-    mismatched, cer = 0, []
+    mismatched, cer, cache_equal = 0, [], 0
     for i, ((ids, pv, grid), ref) in enumerate(prompts):
         results = {}
         for spec in ((True, False) if i % 2 == 0 else (False, True)):
@@ -66,6 +83,7 @@ def evaluate(target: Path, drafter: Path, pages: list, max_new: int, threads: in
             decode_s[spec] += results[spec].decode_seconds
         decode_tokens += len(results[False].token_ids) - 1
         mismatched += results[True].token_ids != results[False].token_ids
+        cache_equal += cached is not None and list(results[False].token_ids) == cached[i]
         accept += results[True].acceptance_lengths
         cer.append(synthdoc.score_page(results[False].text.strip(), ref)["cer"])
     n = len(prompts)
@@ -80,6 +98,7 @@ def evaluate(target: Path, drafter: Path, pages: list, max_new: int, threads: in
         "cpu_s_per_page_plain": cpu[False] / n, "cpu_s_per_page_speculative": cpu[True] / n,
         "speedup_cpu_time": cpu[False] / cpu[True],
         "mismatched_pages": mismatched, "cer": float(np.mean(cer)), "threads": threads,
+        **({"cached_answers_equal": cache_equal} if cached is not None else {}),
     }
 
 
@@ -90,6 +109,8 @@ def main(argv=None) -> None:
     ap.add_argument("--pages", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--split", default="heldout", help="synthdoc split (train: the pages data.py used)")
+    ap.add_argument("--start", type=int, default=0, help="index of the first page in the split")
+    ap.add_argument("--data", type=Path, help="data.py's cache: its split and seed, checked against its answers")
     ap.add_argument("--block-sizes", type=int, nargs="*", default=[])
     ap.add_argument("--max-new-tokens", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2)
@@ -97,16 +118,28 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
 
     cfg = synthdoc.training_page_config(args.target)
-    pages = list(synthdoc.iter_dataset(args.split, args.pages, args.seed, cfg))
+    cached = None
+    if args.data:
+        meta = json.loads((args.data / "meta.json").read_text())
+        if meta.get("images"):
+            raise SystemExit(f"{args.data} caches pages of {meta['images']}, not synthdoc's")
+        if meta.get("pages_from") not in (None, synthdoc.page_sources(cfg)):
+            raise SystemExit(f"{args.data} drew its pages from {meta['pages_from']}; synthdoc here draws from "
+                             f"{synthdoc.page_sources(cfg)}: the same seeds are other pages")
+        args.split, args.seed = meta["split"], meta["seed"]
+        cached = cached_answers(args.data, args.start, args.pages)
+    pages = list(synthdoc.iter_dataset(args.split, args.pages, args.seed, cfg, start=args.start))
     own = json.loads((args.drafter / "config.json").read_text())["dflash_config"]["block_size"]
     out = []
     with tempfile.TemporaryDirectory() as tmp:
         for block in args.block_sizes or [own]:
-            r = evaluate(args.target, with_block_size(args.drafter, block, Path(tmp)), pages, args.max_new_tokens, args.threads)
+            r = evaluate(args.target, with_block_size(args.drafter, block, Path(tmp)), pages, args.max_new_tokens,
+                         args.threads, cached)
             print(json.dumps({k: v for k, v in r.items() if k != "acceptance_histogram"}), flush=True)
             out.append(r)
     if args.json:
         args.json.write_text(json.dumps({"target": str(args.target), "drafter": str(args.drafter), "split": args.split, "seed": args.seed,
+                                         "start": args.start, "pages_from": synthdoc.page_sources(cfg),
                                          "results": out}, indent=1) + "\n")
 
 

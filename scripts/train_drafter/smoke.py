@@ -2,6 +2,10 @@
 """The CPU proof of the recipe (well under a minute): data -> training (with a resume) -> a drafter that
 ocria_rt loads, whose proposals through the engine equal the torch model's, and with which speculative
 greedy decoding gives plain greedy's tokens. Target: the package's tiny-vlm (random weights).
+The proposals are compared on text prompts (the first block) and at every step of the engine's
+speculative loop on the cached image pages (the torch model on the cached taps before each step's
+anchor: the training data's context), so that training and the engine cannot disagree on which taps,
+positions or tokens a block sees.
 
     python scripts/train_drafter/smoke.py [--keep DIR] [--fixture DIR]
 
@@ -57,6 +61,42 @@ def zlab_proposals(drafter_dir: Path, target, prompt: list[int], anchor: int) ->
     return [int(t) for t in tokens[0]]
 
 
+def loop_mismatches(eng, model, cache: Path, embed, head) -> tuple[int, list[str]]:
+    """(steps checked, mismatches) of the engine's speculative greedy loop on data.py's cached image pages:
+    at each step the engine's proposals (seen through its proposal hook) against the torch model's on
+    the cached taps of the tokens before the step's anchor."""
+    from ocria_rt.chat import build_multimodal_prompt
+    from ocria_rt.pipeline import DEFAULT_PROMPT
+
+    meta = json.loads((cache / "meta.json").read_text())
+    pages = train.load_cache(cache)
+    source = argparse.Namespace(images=None, target=TARGET, split=meta["split"], seed=meta["seed"],
+                                pages=pages[-1]["index"] + 1)
+    images = [image for _, image in data.page_sources(source)]
+    steps, bad = 0, []
+    for page in pages:
+        image = images[page["index"]]
+        messages = [{"role": "user", "content": [{"type": "image", "image": image},
+                                                 {"type": "text", "text": DEFAULT_PROMPT}]}]
+        ids, pv, grid = build_multimodal_prompt(eng, messages)
+        seen: list[tuple[int, list[int]]] = []
+        eng._core.set_proposal_hook(lambda position, proposals: seen.append((position, list(proposals))))
+        try:
+            out = eng.generate(ids, len(page["ids"]) - len(ids), pixel_values=pv, image_grid_thw=grid)
+        finally:
+            eng._core.set_proposal_hook(None)
+        seq = page["ids"].tolist()
+        if list(ids) + list(out.token_ids) != seq:
+            bad.append(f"page {page['index']}: speculative greedy differs from the cached answer")
+            continue
+        for position, engine_proposals in seen:
+            mine = propose(model, page["taps"][:position], seq[position], embed, head)
+            steps += 1
+            if mine != engine_proposals:
+                bad.append(f"page {page['index']}, block at {position}: torch {mine}, ocria_rt {engine_proposals}")
+    return steps, bad
+
+
 def run(work: Path, fixture: Path | None = None) -> dict:
     import ocria_rt
 
@@ -97,6 +137,9 @@ def run(work: Path, fixture: Path | None = None) -> dict:
         accept += spec.acceptance_lengths
     if same_greedy != len(PROMPT_SEEDS):
         raise SystemExit("speculative greedy differs from plain greedy")
+    loop_steps, loop_bad = loop_mismatches(eng, model, cache, embed, head)
+    if loop_bad or loop_steps == 0:
+        raise SystemExit(f"the engine's loop on the cached image pages ({loop_steps} steps): " + "; ".join(loop_bad))
     if fixture is not None:
         if fixture.exists():
             shutil.rmtree(fixture)
@@ -105,7 +148,7 @@ def run(work: Path, fixture: Path | None = None) -> dict:
             {"target": "python/ocria_rt/models/tiny-vlm", "prompts": proposals}, indent=1) + "\n")
     return {"seconds": round(time.perf_counter() - t0, 1), "pages": 3, "steps": log[-1]["step"],
             "ce_first": losses[0], "ce_last": losses[-1], "proposals_match": True, "zlab_checked": zlab_checked,
-            "greedy_match": same_greedy,
+            "greedy_match": same_greedy, "loop_steps_match": loop_steps,
             "tau": sum(accept) / len(accept)}
 
 

@@ -56,7 +56,10 @@ def target_tables(target: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 
 def load_cache(data: Path) -> list[dict]:
+    """The cached pages with at least one anchor to train (index: the page's place in the cache, which is
+    its index in data.py's page sources)."""
     pages = []
+    index = 0
     for shard in sorted(data.glob("shard-*.npz")):
         z = np.load(shard)
         n = len({k.split("/")[0] for k in z.files})
@@ -64,7 +67,8 @@ def load_cache(data: Path) -> list[dict]:
             ids, taps, plen = z[f"{j}/ids"], z[f"{j}/taps"], int(z[f"{j}/prompt_len"])
             if len(ids) - plen >= 2:  # at least one anchor with a label
                 pages.append({"ids": torch.from_numpy(ids.astype(np.int64)), "taps": torch.from_numpy(taps),
-                              "prompt_len": plen})
+                              "prompt_len": plen, "index": index})
+            index += 1
     if not pages:
         raise SystemExit(f"no usable cached pages in {data} (run data.py first)")
     return pages
@@ -191,10 +195,11 @@ def main(argv=None) -> None:
     gamma = args.gamma or GAMMA.get(B, B / 2)
     embed_in = embed * float(spec.extra.get("input_embedding_scale", 1.0))
     log = (args.out / "log.jsonl").open("a")
+    run_args = vars(args) | {"target": str(args.target), "data": str(args.data), "out": str(args.out)}
     if ck is None:
-        log.write(json.dumps({"start": vars(args) | {"target": str(args.target), "data": str(args.data),
-                                                    "out": str(args.out)}, "pages": len(pages),
-                              "spec": dataclasses.asdict(spec)}) + "\n")
+        log.write(json.dumps({"start": run_args, "pages": len(pages), "spec": dataclasses.asdict(spec)}) + "\n")
+    else:  # a resume may change the schedule (--steps) or the threads
+        log.write(json.dumps({"resume": run_args, "step": step, "pages": len(pages)}) + "\n")
 
     def save() -> None:
         tmp = args.out / "ckpt.pt.tmp"
