@@ -10,10 +10,12 @@
 # kernel names, e.g. "gdn_decode|attention_decode"), also the first NCU_LAUNCHES (default 4) launches
 # of those kernels with the full set and the source counters: ncu-source.md, their hottest instructions.
 # Extra benchmark arguments: DECODE_ARGS, VISION_ARGS, KERNELS_ARGS, TEST_ARGS (pytest; default: the whole suite),
-# TEST_K (a pytest -k expression, spaces allowed);
+# TEST_K (a pytest -k expression, spaces allowed), TEST_WORKERS (pytest-xdist processes sharing the
+# GPU, e.g. 8: the GPU suite's ~810 tests then take about 4 minutes);
 # build parallelism: CMAKE_BUILD_PARALLEL_LEVEL; OCRIA_RT_SKIP_BUILD=1 uses what an earlier run installed.
 #
-# Dependencies the machine lacks come as wheels in .wheels/ (nvidia-cutlass for the CUTLASS headers,
+# Dependencies the machine lacks come as wheels in .wheels/ (bench/device_wheels.sh fills it; nvidia-cutlass
+# for the CUTLASS headers,
 # flash-linear-attention + fla-core for the benchmark peer, pypdfium2 for the tests that parse the
 # shipped sample PDF, faker at the version pyproject.toml pins for the generated pages of the tests and
 # bench/vision.py); everything else (torch, transformers,
@@ -41,8 +43,12 @@ python3 -c "import ocria_rt, json; print(json.dumps(ocria_rt.build_info()))"
 
 status=0
 if has_step tests; then
-  python3 -m pytest -q -rs ${TEST_ARGS:-tests} ${TEST_K:+-k "$TEST_K"} 2>&1 | tee "$OUT_DIR/tests.log" | tail -25
+  # One line per test as it ends (-v), so that a run stopped at a time limit still names its failures:
+  # tests.log keeps everything but the passes, tests-failed.txt the failures and errors.
+  python3 -m pytest -v -rfEs -p no:benchmark ${TEST_WORKERS:+-n "$TEST_WORKERS"} ${TEST_ARGS:-tests} \
+    ${TEST_K:+-k "$TEST_K"} 2>&1 | grep --line-buffered -v " PASSED" | tee "$OUT_DIR/tests.log" | tail -25
   status=${PIPESTATUS[0]}
+  grep -E "(FAILED|ERROR)( |$)" "$OUT_DIR/tests.log" | sort -u > "$OUT_DIR/tests-failed.txt"
 fi
 if has_step kernels && [ -f bench/kernels.py ]; then
   python3 bench/kernels.py "$OUT_DIR/kernels.json" ${KERNELS_ARGS:-} 2>&1 | tee "$OUT_DIR/kernels.log" | tail -40

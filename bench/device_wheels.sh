@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Fills .wheels/ with what bench/device_run.sh installs on a GPU machine without internet, kept small for
+# the upload: nvidia-cutlass cut to its C++ headers (cutlass_library/source/include, ~3.8 MB of a 6.4 MB
+# wheel), faker at the version pyproject.toml pins, and with --peer flash-linear-attention + fla-core
+# (the benchmark peer), with --pdf pypdfium2 (the tests that parse the shipped sample PDF).
+#
+#   bench/device_wheels.sh WHEEL_DIR [--peer] [--pdf]
+#
+# WHEEL_DIR holds the downloaded wheels (nvidia_cutlass-*, faker-*, and those the options name); a
+# missing faker is downloaded with pip (Python 3.12, pure Python).
+set -euo pipefail
+SRC=${1:?usage: bench/device_wheels.sh WHEEL_DIR [--peer] [--pdf]}
+shift
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+FAKER=$(sed -n 's/.*"faker==\([0-9.]*\)".*/\1/p' pyproject.toml)
+rm -rf .wheels && mkdir -p .wheels
+
+if ! ls "$SRC"/faker-"$FAKER"-*.whl > /dev/null 2>&1; then
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d "$SRC" "faker==$FAKER"
+fi
+cp "$SRC"/faker-"$FAKER"-*.whl .wheels/
+
+# The CUTLASS wheel without its examples, tools and Python packages: the build reads only the headers.
+cutlass=$(ls "$SRC"/nvidia_cutlass-*.whl | head -1)
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+(cd "$tmp" && python3 -m zipfile -e "$cutlass" . && rm -rf cutlass_library/source/examples \
+  cutlass_library/source/tools cutlass_cppgen pycute)
+(cd "$tmp" && python3 -c "
+import os, sys, zipfile
+with zipfile.ZipFile(sys.argv[1], 'w', zipfile.ZIP_DEFLATED, compresslevel=9) as z:
+    for root, _, files in os.walk('.'):
+        for f in files:
+            z.write(os.path.join(root, f), os.path.relpath(os.path.join(root, f), '.'))
+" "$ROOT/.wheels/$(basename "$cutlass")")
+
+for opt in "$@"; do
+  case "$opt" in
+    --peer) cp "$SRC"/flash_linear_attention-*.whl "$SRC"/fla_core-*.whl .wheels/ ;;
+    --pdf) cp "$SRC"/pypdfium2-*.whl .wheels/ ;;
+    *) echo "unknown option $opt" >&2; exit 2 ;;
+  esac
+done
+du -ch .wheels/* | tail -1
