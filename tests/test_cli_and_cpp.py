@@ -171,3 +171,22 @@ def test_cpp_example_builds_and_generates(tmp_path):
     np.testing.assert_array_equal([int(t) for t in r.stdout.split()], ref["greedy_tokens"])
     bad = subprocess.run([str(build / "generate"), str(tmp_path / "missing"), "1"], capture_output=True, text=True)
     assert bad.returncode == 1 and "does not exist" in bad.stderr
+
+
+def test_cli_eval_reports_speculative_decoding_beside_plain(tmp_path):
+    model = Path(ocria_rt.__file__).parent / "models" / "tiny-vlm"
+    drafter = FIXTURES / "drafters" / "trained_tiny_vlm"
+    out = tmp_path / "eval.json"
+    r = cli("eval", "--model", str(model), "--drafter", str(drafter), "--compare-plain", "--pages", "2",
+            "--max-new-tokens", "24", "--threads", "1", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    d = json.loads(out.read_text())["decode"]
+    assert d["identical_pages"] == 2, "greedy speculative decoding must give the plain tokens"
+    # every decoded token came out of a verify step: the histogram's tokens are the decoded tokens
+    assert sum(int(k) * v for k, v in d["acceptance_histogram"].items()) == d["tokens"] > 0
+    assert sum(d["acceptance_histogram"].values()) == d["verify_steps"]
+    assert d["mean_acceptance_length"] == pytest.approx(d["tokens"] / d["verify_steps"])
+    assert d["tokens_per_s"] > 0 and d["plain_tokens_per_s"] > 0 and d["speedup"] > 0
+    assert "tau" in r.stdout and "2/2 pages token-identical" in r.stdout
+    r = cli("eval", "--model", str(model), "--compare-plain", "--pages", "1", "--max-new-tokens", "4")
+    assert r.returncode != 0 and "--compare-plain needs a drafter" in r.stderr

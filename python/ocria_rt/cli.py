@@ -250,8 +250,10 @@ def _eval(args: argparse.Namespace) -> int:
     eng = Engine(model_dir, device=args.device, num_threads=args.threads, drafter=args.drafter)
     if not eng.config.get("has_vision"):
         raise InvalidArgumentError(f"model '{eng.model_dir}' has no vision encoder: eval needs a VLM")
+    if args.compare_plain and eng.drafter_dir is None:
+        raise InvalidArgumentError("--compare-plain needs a drafter (--drafter DIR, or the model's own drafter/)")
     r = evaluate(eng, n_pages=args.pages, seed=args.seed, config=cfg, max_new_tokens=args.max_new_tokens,
-                 progress=args.progress)
+                 progress=args.progress, compare_plain=args.compare_plain)
     r.update(model=str(eng.model_dir), device=str(eng.device), pages_from=source, page_sources=sources,
              page_config={k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()})
     if args.json:
@@ -260,6 +262,14 @@ def _eval(args: argparse.Namespace) -> int:
     print(f"{r['pages']} held-out pages (seed {args.seed}): CER {100 * r['cer']:.2f}% (pooled "
           f"{100 * r['cer_micro']:.2f}%, median {100 * r['cer_median']:.2f}%); tables exact "
           f"{r['tables_exact']}/{r['tables']} ({rate}); {r['pages_per_s']:.2f} pages/s on {eng.device}")
+    d = r["decode"]
+    line = f"decode: {d['tokens']} tokens, {d['tokens_per_s']:.1f} tokens/s"
+    if "mean_acceptance_length" in d:
+        line += f"; speculative: tau {d['mean_acceptance_length']:.2f} tokens per verify step ({d['verify_steps']} steps)"
+    if "speedup" in d:
+        line += (f"; without the drafter {d['plain_tokens_per_s']:.1f} tokens/s ({d['speedup']:.2f}x with it), "
+                 f"{d['identical_pages']}/{r['pages']} pages token-identical")
+    print(line)
     print("by layout: " + ", ".join(f"{name} {100 * v['cer']:.1f}% ({v['pages']})" for name, v in r["by_layout"].items()))
     print(f"pages: {source}: long side {cfg.long_side[0]}-{cfg.long_side[1]} px, body {cfg.body_px[0]}-{cfg.body_px[1]} px"
           + (f", at most {cfg.max_chars} characters" if cfg.max_chars else ""))
@@ -374,6 +384,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="Markdown characters per page at most (default: as --long-side, else no limit)")
     e.add_argument("--threads", type=int, default=0, help="CPU threads (0: all cores)")
     e.add_argument("--drafter", default=None, metavar="DIR", help=DRAFTER_HELP)
+    e.add_argument("--compare-plain", action="store_true",
+                   help="with a drafter: generate each page again without it and report both decode speeds "
+                        "and how many pages came out token-identical")
     e.add_argument("--json", default=None, metavar="OUT.json", help="also write the figures, per page, as JSON")
     e.add_argument("--progress", action="store_true", help="one line per page on stdout")
     e.set_defaults(func=_eval)

@@ -161,7 +161,7 @@ def summarize(pages: list[dict[str, Any]]) -> dict[str, Any]:
 
 def evaluate(engine_or_fn: Any, n_pages: int = 200, seed: int = 0, config: Any = None, *,
              max_new_tokens: int = 2048, prompt: str | None = None, progress: bool = False,
-             keep_outputs: int = 3) -> dict[str, Any]:
+             keep_outputs: int = 3, compare_plain: bool = False) -> dict[str, Any]:
     """CER and table-structure exactness over `n_pages` held-out pages (``iter_dataset("heldout", n, seed)``).
 
     engine_or_fn: an ocria_rt.Engine holding a VLM (each page goes through ``Engine.chat`` with the
@@ -170,21 +170,42 @@ def evaluate(engine_or_fn: Any, n_pages: int = 200, seed: int = 0, config: Any =
     Returns summarize()'s figures, plus seconds, pages_per_s, by_layout (summarize() of each layout's
     pages), per_page (cer, tables, ...) and the first `keep_outputs` (prediction, reference) pairs
     under "samples".
+    With an Engine also "decode": the generated tokens, decode seconds and decode tokens/s over all pages
+    (a page's first token comes from its prefill and is not counted) and, when the engine has a drafter,
+    the acceptance lengths' mean (tau), histogram (tokens per verify step -> steps) and verify steps.
+    compare_plain (an Engine with a drafter only): each page is generated a second time without
+    speculation, adding the plain decode figures, the speed-up and how many pages came out
+    token-identical (greedy speculative decoding is lossless, so all).
     """
+    from ocria_rt.errors import InvalidArgumentError
+
     from . import iter_dataset
 
     if prompt is None:
         from ocria_rt.pipeline import DEFAULT_PROMPT
 
         prompt = DEFAULT_PROMPT
+    decode: dict[str, Any] | None = None
     if callable(engine_or_fn) and not hasattr(engine_or_fn, "chat"):
+        if compare_plain:
+            raise InvalidArgumentError("compare_plain needs an Engine with a drafter, not a function")
         fn: Callable[[Any, str], str] = engine_or_fn
     else:
         eng = engine_or_fn
+        if compare_plain and getattr(eng, "drafter_dir", None) is None:
+            raise InvalidArgumentError("compare_plain needs an Engine with a drafter (Engine(model, drafter=DIR))")
+        decode = {"tokens": 0, "seconds": 0.0, "acceptance_lengths": [], "plain_seconds": 0.0, "identical_pages": 0}
 
         def fn(image: Any, text: str) -> str:
             msgs = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]}]
             r = eng.chat(msgs, max_new_tokens=max_new_tokens, temperature=0.0)
+            decode["tokens"] += max(len(r.token_ids) - 1, 0)
+            decode["seconds"] += r.decode_seconds
+            decode["acceptance_lengths"] += r.acceptance_lengths
+            if compare_plain:
+                plain = eng.chat(msgs, max_new_tokens=max_new_tokens, temperature=0.0, speculative=False)
+                decode["plain_seconds"] += plain.decode_seconds
+                decode["identical_pages"] += plain.token_ids == r.token_ids
             return (r.text or "").strip()
 
     t0 = time.perf_counter()
@@ -204,4 +225,26 @@ def evaluate(engine_or_fn: Any, n_pages: int = 200, seed: int = 0, config: Any =
                  for name in sorted({p["layout"] for p in pages})}
     out.update(seconds=dt, pages_per_s=len(pages) / dt if dt > 0 else 0.0, seed=seed, by_layout=by_layout,
                per_page=pages, samples=samples)
+    if decode is not None:
+        out["decode"] = _decode_figures(decode, compare_plain)
+    return out
+
+
+def _decode_figures(d: dict[str, Any], compare_plain: bool) -> dict[str, Any]:
+    """evaluate()'s "decode" entry from its sums over the pages."""
+    def rate(seconds: float) -> float:
+        return d["tokens"] / seconds if seconds > 0 else 0.0
+
+    out: dict[str, Any] = {"tokens": d["tokens"], "seconds": d["seconds"], "tokens_per_s": rate(d["seconds"])}
+    acc = d["acceptance_lengths"]
+    if acc:
+        hist: dict[int, int] = {}
+        for a in acc:
+            hist[a] = hist.get(a, 0) + 1
+        out.update(verify_steps=len(acc), mean_acceptance_length=sum(acc) / len(acc),
+                   acceptance_histogram={k: hist[k] for k in sorted(hist)})
+    if compare_plain:
+        out.update(plain_seconds=d["plain_seconds"], plain_tokens_per_s=rate(d["plain_seconds"]),
+                   speedup=d["plain_seconds"] / d["seconds"] if d["seconds"] > 0 else 0.0,
+                   identical_pages=d["identical_pages"])
     return out
