@@ -190,3 +190,22 @@ def test_cli_eval_reports_speculative_decoding_beside_plain(tmp_path):
     assert "tau" in r.stdout and "2/2 pages token-identical" in r.stdout
     r = cli("eval", "--model", str(model), "--compare-plain", "--pages", "1", "--max-new-tokens", "4")
     assert r.returncode != 0 and "--compare-plain needs a drafter" in r.stderr
+
+
+def test_cli_parse_reports_acceptance_lengths_with_a_drafter(tmp_path):
+    model = Path(ocria_rt.__file__).parent / "models" / "tiny-vlm"
+    drafter = FIXTURES / "drafters" / "trained_tiny_vlm"
+    out = tmp_path / "doc.json"
+    r = cli("parse", "--sample", "--pages", "1-2", "--model", str(model), "--drafter", str(drafter),
+            "--max-new-tokens", "16", "--threads", "1", "-o", str(tmp_path / "doc.md"), "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    steps = [a for p in doc["pages"] for a in p["acceptance_lengths"]]
+    for p in doc["pages"]:  # every token after a page's first came out of a verify step
+        assert sum(p["acceptance_lengths"]) == p["new_tokens"] - 1
+    assert doc["timings"]["mean_acceptance_length"] == pytest.approx(sum(steps) / len(steps))
+    assert "tau" in r.stderr
+    plain = ocria_rt.parse(ocria_rt.sample_document(), engine=ocria_rt.Engine(model, num_threads=1), pages="1-2",
+                           max_new_tokens=16, progress=False)
+    assert [p.markdown for p in plain.pages] == [p["markdown"] for p in doc["pages"]]
+    assert "mean_acceptance_length" not in plain.timings and not plain.pages[0].acceptance_lengths

@@ -157,7 +157,9 @@ def _parse(args: argparse.Namespace) -> int:
     t = doc.timings
     print(
         f"[{n - len(failed)}/{n} pages in {t['wall_s']:.2f} s ({t['pages_per_s']:.2f} pages/s), "
-        f"{doc.new_tokens} new tokens ({t['tokens_per_s']:.1f} tokens/s)]",
+        f"{doc.new_tokens} new tokens ({t['tokens_per_s']:.1f} tokens/s)"
+        + (f", speculative: tau {t['mean_acceptance_length']:.2f} tokens per verify step" if "mean_acceptance_length" in t
+           else "") + "]",
         file=sys.stderr,
     )
     if args.sample:

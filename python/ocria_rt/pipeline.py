@@ -77,6 +77,8 @@ class PageResult:
     image_tokens: int = 0
     image_size: tuple[int, int] | None = None  # (width, height) of the rendered / decoded page
     finish_reason: str | None = None  # "stop" (end token) or "length" (max_new_tokens)
+    # speculative decoding (an engine with a drafter): tokens per verify step (GenerationResult's)
+    acceptance_lengths: list[int] = field(default_factory=list)
     # the class of the page's error: an OcriaError subclass ("FileError", "InvalidArgumentError", ...);
     # another name means an unexpected exception (a bug), recorded so that the other pages go on
     error_type: str | None = None
@@ -632,6 +634,9 @@ def parse(
         "pages_per_s": len(results) / after_load,
         "tokens_per_s": new_tokens / model_s if model_s > 0 else 0.0,
     }
+    accepted = [a for p in results for a in p.acceptance_lengths]
+    if accepted:  # tokens per verify step over all pages (tau)
+        timings["mean_acceptance_length"] = sum(accepted) / len(accepted)
     labels = list(dict.fromkeys(str(p) for p in paths))  # input order, each once
     return Document(
         pages=results,
@@ -679,6 +684,7 @@ def _run_page(eng: Any, item: _Prepared, prompt: str, max_new_tokens: int, tempe
     page.new_tokens = len(r.token_ids)
     page.tokens_per_s = r.decode_tokens_per_second
     page.finish_reason = r.finish_reason
+    page.acceptance_lengths = list(r.acceptance_lengths)
     return page
 
 
