@@ -1,15 +1,17 @@
 """Kernel benchmarks of the CUDA backend on OCRia-1 (Qwen3.5-4B text) shapes, each beside its ceiling.
 
     python bench/kernels.py OUT.json [--reps 10] [--skip-prefill] [--ksplit-sweep 2,3,4,6,8] [--cluster-sweep 2,4]
-                                     [--persistent] [--rows-sweep 16,32] [--sweep-shapes o_proj,down]
+                                     [--persistent-sweep 0,1] [--rows-sweep 16,32] [--sweep-shapes o_proj,down]
+                                     [--sweep-formats dense,fp8,nvfp4]
 
 - linear, decode / verify (M = 1..16 tokens): achieved bandwidth (weight bytes + activations) against
   the measured device-to-device copy bandwidth (bytes read + written per second); --ksplit-sweep adds
   M = 1 / 16 with the skinny GEMM's split-K forced to each listed count (OCRIA_RT_SKINNY_KSPLIT), and
   --cluster-sweep with its K split over each listed number of blocks of a cluster (OCRIA_RT_SKINNY_CLUSTER),
-  --persistent with persistent blocks (OCRIA_RT_SKINNY_PERSISTENT=1; the shapes of many row tiles),
-  --rows-sweep with block tiles of each listed height (OCRIA_RT_SKINNY_ROWS); --sweep-shapes limits
-  the sweeps to the shapes whose names hold one of the listed pieces;
+  --persistent-sweep with persistent blocks always (1) or never (0) (OCRIA_RT_SKINNY_PERSISTENT; auto
+  uses them for the shapes of many row tiles), --rows-sweep with block tiles of each listed height
+  (OCRIA_RT_SKINNY_ROWS); --sweep-shapes limits the sweeps to the shapes whose names hold one of the
+  listed pieces, --sweep-formats to the weight formats listed (default dense);
 - linear, prefill (M = 8192): TFLOP/s against torch.matmul (cuBLAS) on the same shapes, same run;
 - quantized linears (FP8, NVFP4 weights; --skip-quant leaves them out): decode at M = 1..16 against
   the copy bandwidth on the bytes they must move (the quantized weight with its scales, x, out), and
@@ -34,6 +36,7 @@ A Markdown table is printed last; everything goes to OUT.json.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -200,8 +203,9 @@ def main() -> None:
                     help="give the quantized weights an input_scale (x scaled per column before the product)")
     ap.add_argument("--ksplit-sweep", default="",
                     help="comma-separated skinny-GEMM split counts to time at M = 1 / 16 (e.g. 2,3,4,6,8)")
-    ap.add_argument("--persistent", action="store_true",
-                    help="also time M = 1 / 16 with persistent skinny-GEMM blocks (OCRIA_RT_SKINNY_PERSISTENT=1)")
+    ap.add_argument("--persistent-sweep", default="",
+                    help="comma-separated OCRIA_RT_SKINNY_PERSISTENT values to time at M = 1 / 16 (1: persistent "
+                         "skinny-GEMM blocks always, 0: never)")
     ap.add_argument("--rows-sweep", default="",
                     help="comma-separated skinny-GEMM block tile heights to time at M = 1 / 16 (16,32: "
                          "OCRIA_RT_SKINNY_ROWS, two row tiles per block sharing their x loads)")
@@ -211,9 +215,14 @@ def main() -> None:
     ap.add_argument("--sweep-shapes", default="",
                     help="comma-separated pieces of shape names (e.g. 'o_proj,down'): the sweeps time only the "
                          "linear shapes whose name holds one of them (default: all)")
+    ap.add_argument("--sweep-formats", default="dense",
+                    help="comma-separated weight formats the sweeps time, of dense,fp8,nvfp4 (default %(default)s)")
     ap.add_argument("--attention-contexts", default=",".join(map(str, ATTN_CONTEXTS)),
                     help="comma-separated context lengths of the attention table, T = 1 and 16 (default %(default)s)")
     args = ap.parse_args()
+    sweep_formats = comma_items(args.sweep_formats)
+    if any(f not in ("dense", "fp8", "nvfp4") for f in sweep_formats):
+        ap.error(f"--sweep-formats takes dense, fp8 and nvfp4, got {args.sweep_formats!r}")
     attn_contexts = [int(c) for c in args.attention_contexts.split(",") if c]
 
     from ocria_rt import _core
@@ -257,7 +266,7 @@ def main() -> None:
     for flag, var, key, title in (
             (args.ksplit_sweep, "OCRIA_RT_SKINNY_KSPLIT", "ksplit", "split-K over the grid forced (capped by K and the scratch)"),
             (args.cluster_sweep, "OCRIA_RT_SKINNY_CLUSTER", "cluster", "split-K over the blocks of a cluster"),
-            ("1" if args.persistent else "", "OCRIA_RT_SKINNY_PERSISTENT", "persistent", "persistent blocks"),
+            (args.persistent_sweep, "OCRIA_RT_SKINNY_PERSISTENT", "persistent", "persistent blocks (1 always, 0 never)"),
             (args.rows_sweep, "OCRIA_RT_SKINNY_ROWS", "rows", "block tiles of this many rows")):
         sweep = comma_items(flag)
         if not sweep or args.skip_linear:
@@ -265,18 +274,19 @@ def main() -> None:
         rows = []
         for k in sweep:
             kb_k = kernel_bench_with_env(_core, var, k)
-            for name, N, K, op in sweep_shapes:
-                for M in (1, 16):
-                    nbytes = linear_bytes(M, N, K, op)
-                    us = med(kb_k.linear(M, N, K, op, iters=iters_for(nbytes / bw), reps=args.reps))
-                    got = nbytes / (us * 1e-6)
-                    r = {key: k, "shape": name, "M": M, "N": N, "K": K, "us": round(us, 2), "of copy BW": f"{got / bw:.0%}"}
-                    rows.append(r)
-                    results[f"linear_decode_{key}_sweep"].append({**r, "fraction_of_copy_bw": got / bw})
+            for fmt, (name, N, K, op), M in itertools.product(sweep_formats, sweep_shapes, (1, 16)):
+                nbytes = linear_bytes(M, N, K, op, fmt)
+                us = med(kb_k.linear(M, N, K, op, iters=iters_for(nbytes / bw), reps=args.reps, fmt=fmt,
+                                     input_scale=False))
+                got = nbytes / (us * 1e-6)
+                r = {key: k, "format": fmt, "shape": name, "M": M, "N": N, "K": K, "us": round(us, 2),
+                     "of copy BW": f"{got / bw:.0%}"}
+                rows.append(r)
+                results[f"linear_decode_{key}_sweep"].append({**r, "fraction_of_copy_bw": got / bw})
             del kb_k
             print(f"{key} sweep: {k} done", flush=True)
         print(f"\n## Linear, decode with {title} ({var})\n")
-        print(markdown_table(rows, [key, "shape", "M", "N", "K", "us", "of copy BW"]))
+        print(markdown_table(rows, [key, "format", "shape", "M", "N", "K", "us", "of copy BW"]))
 
     # ---- linear, M = 8192: CUTLASS vs cuBLAS ----
     if not args.skip_prefill and not args.skip_linear:
