@@ -55,6 +55,18 @@ def pages_from(args) -> dict | None:
     return synthdoc.page_sources(synthdoc.training_page_config(args.target))
 
 
+def read_cache(data: Path, taps: bool = True):
+    """The cached pages in data.py's order (their index in page_sources), each a dict of ids (int32),
+    prompt_len and, with taps, the taps (float16); the shards are read lazily, page by page."""
+    for shard in sorted(data.glob("shard-*.npz")):
+        with np.load(shard) as z:
+            for j in range(len({k.split("/")[0] for k in z.files})):
+                page = {"ids": z[f"{j}/ids"], "prompt_len": int(z[f"{j}/prompt_len"])}
+                if taps:
+                    page["taps"] = z[f"{j}/taps"]
+                yield page
+
+
 def load_transformers_target(target: Path):
     import torch
     from transformers import AutoConfig, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration

@@ -67,7 +67,7 @@ def main(argv=None) -> None:
     ap.add_argument("--target", type=Path, required=True)
     ap.add_argument("--drafter", type=Path, required=True)
     ap.add_argument("--data", type=Path, required=True, help="data.py's cache directory")
-    ap.add_argument("--start", type=int, default=0, help="first cached page (in shard order)")
+    ap.add_argument("--start", type=int, default=0, help="index of the first cached page (in shard order)")
     ap.add_argument("--pages", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", type=Path)
@@ -77,7 +77,8 @@ def main(argv=None) -> None:
     model = DFlash2Drafter.load(args.drafter).eval()
     embed, head, _, _ = train.target_tables(args.target)
     embed = embed * float(model.spec.extra.get("input_embedding_scale", 1.0))
-    pages = train.load_cache(args.data)[args.start: args.start + args.pages]
+    # pages by their index in the cache, as evaluate.py --data --start picks them
+    pages = [p for p in train.load_cache(args.data) if args.start <= p["index"] < args.start + args.pages]
     B = model.spec.block_size
     hits, counts, steps = np.zeros(B - 1), np.zeros(B - 1), []
     for page in pages:

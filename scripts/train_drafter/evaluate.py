@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +30,9 @@ import numpy as np
 
 from ocria_rt import synthdoc
 from ocria_rt.pipeline import DEFAULT_PROMPT
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from data import read_cache  # noqa: E402
 
 
 def with_block_size(drafter: Path, block: int, tmp: Path) -> Path:
@@ -45,11 +49,7 @@ def with_block_size(drafter: Path, block: int, tmp: Path) -> Path:
 
 def cached_answers(data: Path, start: int, n: int) -> list[list[int]]:
     """The target's greedy answers of cached pages start .. start + n - 1 (data.py's shards, in order)."""
-    answers: list[list[int]] = []
-    for shard in sorted(data.glob("shard-*.npz")):
-        z = np.load(shard)
-        for j in range(len({k.split("/")[0] for k in z.files})):
-            answers.append(z[f"{j}/ids"][int(z[f"{j}/prompt_len"]):].tolist())
+    answers = [p["ids"][p["prompt_len"]:].tolist() for p in read_cache(data, taps=False)]
     if len(answers) < start + n:
         raise SystemExit(f"{data} caches {len(answers)} pages; --start {start} --pages {n} needs {start + n}")
     return answers[start: start + n]

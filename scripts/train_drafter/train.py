@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from data import read_cache  # noqa: E402
 from model import DFlash2Drafter, DrafterSpec  # noqa: E402
 
 GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # SpecForge's decay per block size; else B / 2
@@ -58,17 +59,10 @@ def target_tables(target: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 def load_cache(data: Path) -> list[dict]:
     """The cached pages with at least one anchor to train (index: the page's place in the cache, which is
     its index in data.py's page sources)."""
-    pages = []
-    index = 0
-    for shard in sorted(data.glob("shard-*.npz")):
-        z = np.load(shard)
-        n = len({k.split("/")[0] for k in z.files})
-        for j in range(n):
-            ids, taps, plen = z[f"{j}/ids"], z[f"{j}/taps"], int(z[f"{j}/prompt_len"])
-            if len(ids) - plen >= 2:  # at least one anchor with a label
-                pages.append({"ids": torch.from_numpy(ids.astype(np.int64)), "taps": torch.from_numpy(taps),
-                              "prompt_len": plen, "index": index})
-            index += 1
+    pages = [{"ids": torch.from_numpy(p["ids"].astype(np.int64)), "taps": torch.from_numpy(p["taps"]),
+              "prompt_len": p["prompt_len"], "index": index}
+             for index, p in enumerate(read_cache(data))
+             if len(p["ids"]) - p["prompt_len"] >= 2]  # at least one anchor with a label
     if not pages:
         raise SystemExit(f"no usable cached pages in {data} (run data.py first)")
     return pages
