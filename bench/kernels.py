@@ -276,8 +276,7 @@ def main() -> None:
             kb_k = kernel_bench_with_env(_core, var, k)
             for fmt, (name, N, K, op), M in itertools.product(sweep_formats, sweep_shapes, (1, 16)):
                 nbytes = linear_bytes(M, N, K, op, fmt)
-                us = med(kb_k.linear(M, N, K, op, iters=iters_for(nbytes / bw), reps=args.reps, fmt=fmt,
-                                     input_scale=False))
+                us = med(kb_k.linear(M, N, K, op, iters=iters_for(nbytes / bw), reps=args.reps, fmt=fmt))
                 got = nbytes / (us * 1e-6)
                 r = {key: k, "format": fmt, "shape": name, "M": M, "N": N, "K": K, "us": round(us, 2),
                      "of copy BW": f"{got / bw:.0%}"}

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from html.parser import HTMLParser
 from typing import Any
@@ -238,11 +239,8 @@ def _decode_figures(d: dict[str, Any], compare_plain: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"tokens": d["tokens"], "seconds": d["seconds"], "tokens_per_s": rate(d["seconds"])}
     acc = d["acceptance_lengths"]
     if acc:
-        hist: dict[int, int] = {}
-        for a in acc:
-            hist[a] = hist.get(a, 0) + 1
         out.update(verify_steps=len(acc), mean_acceptance_length=sum(acc) / len(acc),
-                   acceptance_histogram={k: hist[k] for k in sorted(hist)})
+                   acceptance_histogram=dict(sorted(Counter(acc).items())))
     if compare_plain:
         out.update(plain_seconds=d["plain_seconds"], plain_tokens_per_s=rate(d["plain_seconds"]),
                    speedup=d["plain_seconds"] / d["seconds"] if d["seconds"] > 0 else 0.0,
