@@ -2,7 +2,7 @@
 
     python bench/quantize_time.py OUT.json [--shape ocria1-4b|tiny] [--layers N] [--vocab V]
                                            [--vision-depth D] [--pages 64] [--device cuda] [--threads 0]
-                                           [--recipe mixed] [--workdir DIR]
+                                           [--recipe mixed] [--method awq|gptq|rtn] [--workdir DIR]
 
 Writes a random BF16 checkpoint of the shape (numpy only, no torch: the decoder of bench/common.py's
 SHAPES with the OCRia-1 vision encoder, the tokenizer and chat template of the package's tiny-vlm),
@@ -161,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vision-depth", type=int, help="vision encoder blocks (default: the shape's)")
     ap.add_argument("--pages", type=int, default=64, help="synthetic calibration pages (a quarter held out)")
     ap.add_argument("--recipe", default="mixed", choices=("mixed", "fp8", "nvfp4"))
+    ap.add_argument("--method", default="awq", choices=("awq", "gptq", "rtn"))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--threads", type=int, default=0, help="engine threads (0: all cores)")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/ocria-bench"))
@@ -185,12 +186,12 @@ def main(argv: list[str] | None = None) -> int:
              if args.shape == "tiny" else None)
     out_dir = args.workdir / f"quantized-{tag}"
     res = ocria_rt.quantize(model_dir, out_dir, args.recipe, calib_synthetic=args.pages, device=args.device,
-                            num_threads=args.threads, page_config=pages, force=True, progress="always")
+                            method=args.method, num_threads=args.threads, page_config=pages, force=True, progress="always")
     r = res.report
     formats = list(res.plan.values())
     result = {
         "shape": args.shape, "text_config": text, "vision_config": vision, "device": args.device,
-        "recipe": args.recipe, "pages": args.pages, "build": ocria_rt.build_info(), "cpu_count": os.cpu_count(),
+        "recipe": args.recipe, "method": args.method, "pages": args.pages, "build": ocria_rt.build_info(), "cpu_count": os.cpu_count(),
         "checkpoint_write_seconds": round(write_s, 3), "seconds": r["seconds"],
         "calibration": r["calibration"], "trials": sum(len(g["kl"]) for g in r["groups"]),
         "groups": len(r["groups"]), "plan": {f: formats.count(f) for f in sorted(set(formats))},
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"{args.shape} ({text['num_hidden_layers']} layers, vocab {text['vocab_size']}, vision depth "
-          f"{vision['depth']}) on {args.device}: {args.pages} pages, {result['trials']} trials of {result['groups']} "
+          f"{vision['depth']}) on {args.device}, {args.recipe} {args.method}: {args.pages} pages, {result['trials']} trials of {result['groups']} "
           f"groups, plan {result['plan']}; checkpoint written in {write_s:.1f} s")
     print(markdown_table(stage_rows(r["seconds"]), ["stage", "seconds", "share"]))
     return 0

@@ -408,8 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--recipe", choices=["fp8", "nvfp4", "mixed"], default="mixed",
                    help="one format for every projection, or a format per projection group chosen by its KL "
                    "divergence per byte (default mixed)")
-    q.add_argument("--method", choices=["awq", "rtn"], default="awq",
-                   help="awq: activation-aware scales and clipped block scales (default); rtn: plain rounding")
+    q.add_argument("--method", choices=["awq", "gptq", "rtn"], default="awq",
+                   help="awq: activation-aware scales and clipped block scales (default); gptq: AWQ's scales, "
+                        "then rounding with error feedback (lower error, more host time); rtn: plain rounding")
     src = q.add_mutually_exclusive_group()
     src.add_argument("--calib", nargs="+", metavar="FILE", default=None,
                      help="calibration PDFs / images (rendered as parse renders them; continued by the model's own "

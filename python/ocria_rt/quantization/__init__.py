@@ -44,7 +44,7 @@ from .report import format_table, write_kl_plot
 from .safetensors_io import DTYPE_BYTES, Checkpoint
 
 RECIPES = ("fp8", "nvfp4", "mixed")
-METHODS = ("awq", "rtn")
+METHODS = ("awq", "gptq", "rtn")
 DEFAULT_CALIBRATION_PAGES = 64  # a quarter held out: ~500 continuation tokens of ocria-mini pages for the KL
 DEFAULT_MAX_KL = 0.005  # nats per continuation token, summed over the groups alone: mixed without a budget
 REPORT_NAME, PLOT_NAME = "quantization_report.json", "quantization_kl.png"
@@ -145,7 +145,8 @@ def quantize(
 
     recipe: "fp8" or "nvfp4" (every projection but the LM head, ModelOpt's defaults) or "mixed" (a format
     per projection group, the LM head included). method: "awq" (activation-aware scales and clipped block
-    scales) or "rtn" (ModelOpt's plain rounding). calib: PDF / image files (rendered and preprocessed as
+    scales), "gptq" (AWQ's scales, then rounding with error feedback where the second moments were kept:
+    lower output error, more host time) or "rtn" (ModelOpt's plain rounding). calib: PDF / image files (rendered and preprocessed as
     parse() does; the model's greedy output is the continuation) or text files; calib_synthetic: that many
     synthdoc pages with their true Markdown (the default, 64 pages). heldout: samples kept out of the
     statistics for the KL (default a quarter). budget (mixed): "4.5" bits per weight, "40%" of the BF16

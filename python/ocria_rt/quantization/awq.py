@@ -13,10 +13,15 @@ the alpha kept minimises the output error on the calibration activations,
 which alpha = 0 (s = 1, plain rounding) bounds from above. Then each NVFP4 block's scale is picked from
 a grid of scaled block maxima (0.6 to 1.1: clipping the largest values, or not) by the same error
 restricted to the block (its 16 x 16 block of C), and kept only where the whole projection's E goes down.
+Method "gptq" adds two candidates: the weights (unscaled, and scaled by the chosen s) rounded column by
+column with each column's error fed back into the columns after it (_Group.round_with_feedback); the
+candidate of lowest E is kept.
 """
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +30,9 @@ from . import formats as F
 
 ALPHAS = np.linspace(0.0, 1.0, 11)
 CLIP_GRID = np.array([1.1, 1.05, 1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6], np.float32)
+DAMPING = 0.01  # of H's mean diagonal, added to its diagonal before the feedback rounding inverts it
+FEEDBACK_BLOCK = 256  # columns whose rounding errors update the later columns together (a multiple of 16)
+FEEDBACK_MIN_ROWS = 2048  # rows a thread takes at least in the feedback rounding
 SEARCH_ROWS = 4096  # rows of the parts (spread evenly) that the alpha search quantizes
 ERROR_ROWS = 4096  # rows of an output error's d^T d summed in float32 at a time
 
@@ -178,6 +186,45 @@ class _Group:
             out.append(QuantizedWeight("nvfp4", packed, gs, np.float32(1.0), bs))
         return out, float(np.mean(searched)) if clip and searched else 0.0
 
+    def round_with_feedback(self, fmt: str, s: np.ndarray | None) -> list[QuantizedWeight] | None:
+        """The parts' columns times s rounded one column at a time, each column's rounding error fed back
+        into the columns not yet rounded so that the output error E stays small (GPTQ, Frantar et al.
+        2022, arXiv:2210.17323): with H the second moment of x / s plus DAMPING times its mean diagonal on
+        the diagonal, and U the upper Cholesky factor of H^-1, column j's error e_j = (w_j - q_j) / U_jj
+        updates w_k -= e_j U_jk for k > j. NVFP4 block scales are set from the updated weights when their
+        block of 16 columns is reached. Rows are independent: chunks of them run on the threads. None
+        where only the diagonal of C is kept (a diagonal H feeds nothing back)."""
+        if self.C.full is None or not self.parts[0].size:
+            return None
+        w = np.concatenate(self.parts).astype(np.float32)
+        h = self.C.full.copy()
+        if s is not None:
+            w *= s[None, :]
+            h /= s[:, None] * s[None, :]
+        diag = np.diag_indices(len(h))
+        h[diag] = np.where(h[diag] > 0, h[diag], 1.0)  # a channel that was always 0
+        h[diag] += DAMPING * float(np.mean(h[diag]))
+        u = np.linalg.cholesky(np.linalg.inv(h)).T.copy()
+        amax = self.amax(s)
+        scale = F.fp8_scale(amax) if fmt == "fp8" else F.nvfp4_global_scale(amax)
+        codes = np.zeros(w.shape, np.uint8)
+        block_codes = np.zeros((w.shape[0], w.shape[1] // F.NVFP4_BLOCK), np.uint8) if fmt == "nvfp4" else None
+        threads = self.threads if self.threads > 0 else os.cpu_count() or 1
+        bounds = np.linspace(0, len(w), max(1, min(threads, len(w) // FEEDBACK_MIN_ROWS)) + 1).astype(int)
+        with ThreadPoolExecutor(len(bounds) - 1) as pool:
+            list(pool.map(lambda r0, r1: _round_rows(w[r0:r1], u, fmt, scale, codes, block_codes, r0),
+                          bounds[:-1], bounds[1:]))
+        out, r0 = [], 0
+        for part in self.parts:
+            r1 = r0 + part.shape[0]
+            if fmt == "fp8":
+                out.append(QuantizedWeight("fp8", codes[r0:r1], scale, np.float32(1.0)))
+            else:
+                packed = (codes[r0:r1, 0::2] | (codes[r0:r1, 1::2] << 4)).astype(np.uint8)
+                out.append(QuantizedWeight("nvfp4", packed, scale, np.float32(1.0), block_codes[r0:r1]))
+            r0 = r1
+        return out
+
     def rows_of(self, rows: list[np.ndarray]) -> list[np.ndarray]:
         """`rows` of each part (the alpha search's; taken once)."""
         if self._rows is None or self._rows[0] is not rows:
@@ -190,16 +237,53 @@ class _Group:
         return sum(self.C.error(w.dequantize(self.threads, s, part)) for w, part in zip(q, src))
 
 
+def _round_rows(w: np.ndarray, u: np.ndarray, fmt: str, scale: np.float32, codes: np.ndarray,
+                block_codes: np.ndarray | None, r0: int) -> None:
+    """round_with_feedback on rows w (updated in place) into codes[r0:] (and block_codes[r0:]): columns in
+    blocks of 16 whose errors update the rest of their FEEDBACK_BLOCK columns at the end of each block,
+    and the columns past it at the end of the FEEDBACK_BLOCK (two levels, so that the later columns are
+    rewritten K / FEEDBACK_BLOCK times rather than once a column)."""
+    n, k = w.shape
+    b, big = F.NVFP4_BLOCK, FEEDBACK_BLOCK
+    rows = slice(r0, r0 + n)
+    for o0 in range(0, k, big):
+        o1 = min(o0 + big, k)
+        err = np.zeros((n, o1 - o0), np.float32)
+        for b0 in range(o0, o1, b):
+            blk = w[:, b0:b0 + b]
+            if fmt == "nvfp4":
+                bmax = np.abs(blk).max(axis=1)
+                bs_code = F.fp8_quantize(np.clip(bmax / (F.E2M1_MAX * float(scale)), 2.0**-9, F.FP8_MAX),
+                                         np.float32(1.0), threads=1).reshape(-1)
+                bs_code[bmax == 0] = F.FP8_ONE_CODE
+                block_codes[rows, b0 // b] = bs_code
+                step = F.e4m3_decode(bs_code) * scale
+            for j in range(b):
+                col = blk[:, j]
+                if fmt == "fp8":
+                    c = F.fp8_quantize(np.clip(col / scale, -F.FP8_MAX, F.FP8_MAX), np.float32(1.0), threads=1)
+                    q = F.e4m3_decode(c.reshape(-1)) * scale
+                else:
+                    c = F.e2m1_encode(col / step)
+                    q = F.e2m1_decode(c) * step
+                codes[rows, b0 + j] = c.reshape(-1)
+                e = (col - q) / u[b0 + j, b0 + j]
+                blk[:, j + 1:] -= e[:, None] * u[b0 + j, b0 + j + 1:b0 + b][None, :]
+                err[:, b0 + j - o0] = e
+            w[:, b0 + b:o1] -= err[:, b0 - o0:b0 + b - o0] @ u[b0:b0 + b, b0 + b:o1]
+        w[:, o1:] -= err @ u[o0:o1, o1:]
+
+
 def quantize_group(parts: list[np.ndarray], fmt: str, stats: dict, method: str = "awq",
                    tie: np.ndarray | None = None, threads: int = 0) -> GroupQuantization:
     """Quantizes the parts [N_i, K] (float32) of one projection to fmt ("fp8" or "nvfp4") sharing one global
     scale. stats: the calibration statistics of the projection's input ("abs_max", "abs_mean",
     "square_mean", "second_moment", which may be None: its diagonal square_mean stands in). method "rtn":
-    ModelOpt's round-to-nearest; "awq": the search of the module docstring (tie: per-channel class ids whose
-    channels must share one scale, for a fold that needs it). threads: host threads for the codes (0: all
+    ModelOpt's round-to-nearest; "awq" / "gptq": the search of the module docstring (tie: per-channel class
+    ids whose channels must share one scale, for a fold that needs it). threads: host threads for the codes (0: all
     cores)."""
-    if method not in ("rtn", "awq"):
-        raise ValueError(f"method must be 'rtn' or 'awq', got {method!r}")
+    if method not in ("rtn", "awq", "gptq"):
+        raise ValueError(f"method must be 'rtn', 'awq' or 'gptq', got {method!r}")
     g = _Group([np.asarray(w, np.float32) for w in parts], Moments.of(stats), threads)
 
     def finish(weights: list[QuantizedWeight], p: np.ndarray | None, alpha: float, searched: float, error: float,
@@ -231,5 +315,11 @@ def quantize_group(parts: list[np.ndarray], fmt: str, stats: dict, method: str =
     for clip in ((False, True) if fmt == "nvfp4" else (False,)):
         q, searched = g.quantize(fmt, s, clip=clip)
         candidates.append((q, (1.0 / s).astype(np.float32), best_alpha, searched, g.error(q, s)))
+    if method == "gptq":
+        for scaled in (None, s):
+            q = g.round_with_feedback(fmt, scaled)
+            if q is not None:
+                p = None if scaled is None else (1.0 / s).astype(np.float32)
+                candidates.append((q, p, best_alpha if scaled is not None else 0.0, 0.0, g.error(q, scaled)))
     q, p, alpha, searched, err = min(candidates, key=lambda c: c[4])
     return finish(q, p, alpha, searched, err, rtn_error)

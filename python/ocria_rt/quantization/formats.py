@@ -24,6 +24,8 @@ NVFP4_BLOCK = 16
 FP8_MAX = 448.0
 E2M1_MAX = 6.0
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+E2M1_MIDPOINTS = (E2M1_VALUES[1:] + E2M1_VALUES[:-1]) / 2
+FP8_ONE_CODE = 0x38  # E4M3 1.0: an all-zero NVFP4 block's scale
 
 
 def _e4m3_values() -> np.ndarray:
@@ -40,6 +42,13 @@ E4M3_VALUES = _e4m3_values()
 
 def e4m3_decode(codes: np.ndarray) -> np.ndarray:
     return E4M3_VALUES[np.asarray(codes, np.uint8)]
+
+
+def e2m1_encode(x: np.ndarray) -> np.ndarray:
+    """float32 -> the nearest E2M1 code (bit 3 the sign), magnitudes beyond 6 saturating to 6."""
+    x = np.asarray(x, np.float32)
+    mag = np.searchsorted(E2M1_MIDPOINTS, np.abs(x)).astype(np.uint8)
+    return mag | np.where(np.signbit(x), 8, 0).astype(np.uint8)
 
 
 def e2m1_decode(codes: np.ndarray) -> np.ndarray:
