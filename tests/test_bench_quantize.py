@@ -1,5 +1,6 @@
 """bench/quantize_time.py on the CPU with its tiny shape: the random VLM written with numpy, quantize
-timed stage by stage, the JSON and the Markdown table last."""
+timed stage by stage, the JSON and the Markdown table last; bench/quantize_quality.py on the shipped
+model and its mixed-precision checkpoint."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import quantize_quality  # noqa: E402
 import quantize_time  # noqa: E402
 from common import OCRIA1_VISION, SHAPES  # noqa: E402
 
@@ -57,3 +60,22 @@ def test_random_checkpoint_layout(monkeypatch):
     assert abs(float(f.std()) * 9216**0.5 - 1.0) < 0.02
     assert not np.array_equal(w[0][:1000], w[1][:1000])  # each piece has its own seed
     assert not np.any(quantize_time.random_piece(p + "0.input_layernorm.weight", (2560,), 0, seed=0))
+
+
+def test_quantize_quality(tmp_path, capsys):
+    """The shipped model against itself (KL 0, every top-1 agreeing) and against its mixed-precision
+    checkpoint (a small KL, most tokens agreeing), on 2 held-out pages; then compare() by hand."""
+    import ocria_rt
+
+    models = Path(ocria_rt.__file__).parent / "models"
+    out = tmp_path / "quality.json"
+    assert quantize_quality.main([str(out), "--reference", str(models / "ocria-mini"), "--models",
+                                  str(models / "ocria-mini"), str(models / "ocria-mini-mixed"), "--pages", "2",
+                                  "--threads", "1"]) == 0
+    same, mixed = json.loads(out.read_text())["rows"]
+    assert same["kl"] == 0 and same["top1_agreement"] == 1 and same["tokens"] == mixed["tokens"] > 20
+    assert 0 < mixed["kl"] < 0.05 and mixed["top1_agreement"] > 0.9
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("| ocria-mini-mixed |")
+    p, q = np.log([[0.5, 0.5], [0.9, 0.1]]), np.log([[0.25, 0.75], [0.9, 0.1]])
+    r = quantize_quality.compare([p], [q])
+    assert r["kl"] == pytest.approx((0.5 * np.log(2) + 0.5 * np.log(0.5 / 0.75)) / 2) and r["top1_agreement"] == 0.5

@@ -81,9 +81,10 @@ def _page_prompt(eng: Any, image_item: dict[str, Any]) -> tuple[list[int], np.nd
 
 
 def synthetic_samples(eng: Any, n: int, seed: int = 0, page_config: Any = None,
-                      tick: Callable[[], None] | None = None) -> list[Sample]:
-    """n samples from synthdoc's training split (the model's training distribution when its directory has
-    a training.json, else synthdoc's defaults; `page_config` replaces it)."""
+                      tick: Callable[[], None] | None = None, split: str = "train") -> list[Sample]:
+    """n samples from a synthdoc split ("train"; "heldout": the pages `ocria-rt eval` scores) in the model's
+    training distribution when its directory has a training.json, else synthdoc's defaults (`page_config`
+    replaces it)."""
     from ..synthdoc import PageConfig, iter_dataset, training_page_config
 
     has_vision = bool(eng.config.get("has_vision"))
@@ -102,7 +103,7 @@ def synthetic_samples(eng: Any, n: int, seed: int = 0, page_config: Any = None,
 
         cfg = replace(cfg, render=False)
     out = []
-    for image, markdown, meta in iter_dataset("train", n, seed, cfg):
+    for image, markdown, meta in iter_dataset(split, n, seed, cfg):
         answer = eng.encode(markdown) + _end_token(eng)
         source = f"synthdoc page {meta['seed']}"
         if has_vision:
