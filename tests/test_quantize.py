@@ -225,6 +225,11 @@ def test_feedback_rounding_beats_awq(fmt):
         assert w.codes.dtype == np.uint8 and w.codes.shape == ((n, k // 2) if fmt == "nvfp4" else (n, k))
         if fmt == "nvfp4":
             assert w.block_scale.shape == (n, k // 16) and not np.isnan(F.e4m3_decode(w.block_scale)).any()
+    if fmt == "fp8":  # K not a multiple of the 16-column blocks
+        odd = {key: v[:100] if v.ndim == 1 else v[:100, :100] for key, v in stats.items()}
+        fed = quantize_group([p[:, :100] for p in parts], fmt, odd, "gptq")
+        assert fed.weights[0].codes.shape == (80, 100) and fed.error < quantize_group(
+            [p[:, :100] for p in parts], fmt, odd, "awq").error
     diagonal = dict(stats, second_moment=None)  # nothing to feed back without the off-diagonal moments
     assert quantize_group(parts, fmt, diagonal, "gptq").error == quantize_group(parts, fmt, diagonal, "awq").error
 

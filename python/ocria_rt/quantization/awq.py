@@ -194,7 +194,7 @@ class _Group:
         updates w_k -= e_j U_jk for k > j. NVFP4 block scales are set from the updated weights when their
         block of 16 columns is reached. Rows are independent: chunks of them run on the threads. None
         where only the diagonal of C is kept (a diagonal H feeds nothing back)."""
-        if self.C.full is None or not self.parts[0].size:
+        if self.C.full is None or not any(part.size for part in self.parts):
             return None
         w = np.concatenate(self.parts).astype(np.float32)
         h = self.C.full.copy()
@@ -258,7 +258,7 @@ def _round_rows(w: np.ndarray, u: np.ndarray, fmt: str, scale: np.float32, codes
                 bs_code[bmax == 0] = F.FP8_ONE_CODE
                 block_codes[rows, b0 // b] = bs_code
                 step = F.e4m3_decode(bs_code) * scale
-            for j in range(b):
+            for j in range(blk.shape[1]):  # 16, or fewer at the end of an FP8 row
                 col = blk[:, j]
                 if fmt == "fp8":
                     c = F.fp8_quantize(np.clip(col / scale, -F.FP8_MAX, F.FP8_MAX), np.float32(1.0), threads=1)
