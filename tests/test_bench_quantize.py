@@ -1,6 +1,6 @@
 """bench/quantize_time.py on the CPU with its tiny shape: the random VLM written with numpy, quantize
 timed stage by stage, the JSON and the Markdown table last; bench/quantize_quality.py on the shipped
-model and its mixed-precision checkpoint."""
+model and its mixed-precision checkpoint; bench/compare_evals.py's paired bootstrap."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import compare_evals  # noqa: E402
 import quantize_quality  # noqa: E402
 import quantize_time  # noqa: E402
 from common import OCRIA1_VISION, SHAPES  # noqa: E402
@@ -79,3 +80,22 @@ def test_quantize_quality(tmp_path, capsys):
     p, q = np.log([[0.5, 0.5], [0.9, 0.1]]), np.log([[0.25, 0.75], [0.9, 0.1]])
     r = quantize_quality.compare([p], [q])
     assert r["kl"] == pytest.approx((0.5 * np.log(2) + 0.5 * np.log(0.5 / 0.75)) / 2) and r["top1_agreement"] == 0.5
+
+
+def test_compare_evals(tmp_path, capsys):
+    """A run that is worse on every page by 0.1 is told apart (a tight interval around +10 points); one whose
+    differences cancel holds 0; runs over different pages are refused."""
+    def write(name, cers, seeds=None):
+        pages = [{"cer": c, "seed": s} for c, s in zip(cers, seeds or range(len(cers)))]
+        (tmp_path / name).write_text(json.dumps({"per_page": pages}))
+        return str(tmp_path / name)
+
+    rng = np.random.default_rng(0)
+    base = rng.uniform(0, 0.2, 300)
+    assert compare_evals.main([write("worse.json", base + 0.1), write("base.json", base)]) == 0
+    assert "(300 differ): +10.00 points, 95% interval [+10.00, +10.00]" in capsys.readouterr().out
+    swing = base + np.where(np.arange(300) % 2 == 0, 0.05, -0.05)
+    r = compare_evals.paired_bootstrap(swing, base)
+    assert abs(r["mean_difference"]) < 1e-12 and r["ci95"][0] < 0 < r["ci95"][1] and r["pages_differing"] == 300
+    assert compare_evals.main([write("other.json", base, list(range(1, 301))), str(tmp_path / "base.json")]) == 2
+    assert "scored different pages" in capsys.readouterr().err
