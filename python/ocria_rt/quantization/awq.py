@@ -316,7 +316,7 @@ def quantize_group(parts: list[np.ndarray], fmt: str, stats: dict, method: str =
         q, searched = g.quantize(fmt, s, clip=clip)
         candidates.append((q, (1.0 / s).astype(np.float32), best_alpha, searched, g.error(q, s)))
     if method == "gptq":
-        for scaled in (None, s):
+        for scaled in (None,) if best_alpha == 0 else (None, s):  # alpha 0: s is 1, the same rounding
             q = g.round_with_feedback(fmt, scaled)
             if q is not None:
                 p = None if scaled is None else (1.0 / s).astype(np.float32)
