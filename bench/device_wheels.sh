@@ -7,7 +7,8 @@
 #   bench/device_wheels.sh WHEEL_DIR [--peer] [--pdf]
 #
 # WHEEL_DIR holds the downloaded wheels (nvidia_cutlass-*, faker-*, and those the options name); a
-# missing faker is downloaded with pip (Python 3.12, pure Python).
+# missing faker is downloaded with pip (Python 3.12, pure Python). Ends by adding up what a device call
+# would upload and fails where that passes the 64 MiB limit.
 set -euo pipefail
 SRC=${1:?usage: bench/device_wheels.sh WHEEL_DIR [--peer] [--pdf]}
 shift
@@ -43,3 +44,16 @@ for opt in "$@"; do
   esac
 done
 du -ch .wheels/* | tail -1
+
+# The device copies the working tree (tracked and untracked, unignored files that exist) with the carried
+# .wheels/, 64 MiB in all: say so when this would pass it.
+tree=$( (git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null || true) |
+  awk '{s += $1} END {print s + 0}')  # a tracked file moved away is not sent: stat skips it
+wheels=$(du -cb .wheels/* | tail -1 | cut -f1)
+total=$((tree + wheels))
+echo "upload: $((total / 1048576)) MiB ($tree bytes of working tree + $wheels of wheels; the limit is 64 MiB)"
+if [ "$total" -gt $((64 * 1048576)) ]; then
+  echo "over the device's 64 MiB upload: leave out a wheel, or move a file no device run reads out of the tree" \
+    "for the call (python/ocria_rt/models/ocria-mini-mixed, 12.7 MB, is read by no GPU test)" >&2
+  exit 1
+fi
