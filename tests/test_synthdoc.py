@@ -316,6 +316,13 @@ def test_scores():
         assert synthdoc.score_page(bad, ref)["tables_exact"] == len(meta["tables"]) - 1
     summary = synthdoc.summarize([s, synthdoc.score_page("", ref)])
     assert summary["pages"] == 2 and summary["cer"] == 0.5
+    lo, hi = summary["cer_ci95"]  # resampling two pages of CER 0 and 1 gives means 0, 0.5 and 1
+    assert lo == 0.0 and hi == 1.0
+    from ocria_rt.synthdoc.metrics import mean_interval
+
+    assert mean_interval([0.25] * 50) == (0.25, 0.25)
+    lo, hi = mean_interval(np.random.default_rng(1).uniform(0, 1, 400))  # the mean of U(0, 1): 0.5 +- 0.028
+    assert 0.44 < lo < 0.5 < hi < 0.56 and 0.045 < hi - lo < 0.07
     structs = synthdoc.table_structures("<table><tr><th>a</th><th colspan='2'>b</th></tr><tr><td>1</td></tr>")
     assert synthdoc.table_shape(structs[0]) == (2, 3)  # an unclosed table still counts
 

@@ -261,8 +261,9 @@ def _eval(args: argparse.Namespace) -> int:
     if args.json:
         os.replace(_write_atomic(args.json, json.dumps(r, indent=1) + "\n"), args.json)
     rate = "n/a" if r["table_exact_rate"] is None else f"{100 * r['table_exact_rate']:.1f}%"
-    print(f"{r['pages']} held-out pages (seed {args.seed}): CER {100 * r['cer']:.2f}% (pooled "
-          f"{100 * r['cer_micro']:.2f}%, median {100 * r['cer_median']:.2f}%); tables exact "
+    lo, hi = r["cer_ci95"]
+    print(f"{r['pages']} held-out pages (seed {args.seed}): CER {100 * r['cer']:.2f}% (95% interval over pages "
+          f"{100 * lo:.2f}-{100 * hi:.2f}%, pooled {100 * r['cer_micro']:.2f}%, median {100 * r['cer_median']:.2f}%); tables exact "
           f"{r['tables_exact']}/{r['tables']} ({rate}); {r['pages_per_s']:.2f} pages/s on {eng.device}")
     d = r["decode"]
     line = f"decode: {d['tokens']} tokens, {d['tokens_per_s']:.1f} tokens/s"
