@@ -13,9 +13,9 @@ the alpha kept minimises the output error on the calibration activations,
 which alpha = 0 (s = 1, plain rounding) bounds from above. Then each NVFP4 block's scale is picked from
 a grid of scaled block maxima (0.6 to 1.1: clipping the largest values, or not) by the same error
 restricted to the block (its 16 x 16 block of C), and kept only where the whole projection's E goes down.
-Method "gptq" adds two candidates: the weights (unscaled, and scaled by the chosen s) rounded column by
-column with each column's error fed back into the columns after it (_Group.round_with_feedback); the
-candidate of lowest E is kept.
+Method "gptq" adds the weights unscaled and scaled by the chosen s (the same where alpha is 0), each
+rounded column by column with each column's error fed back into the columns after it
+(_Group.round_with_feedback); the candidate of lowest E is kept.
 """
 
 from __future__ import annotations
@@ -280,8 +280,8 @@ def quantize_group(parts: list[np.ndarray], fmt: str, stats: dict, method: str =
     scale. stats: the calibration statistics of the projection's input ("abs_max", "abs_mean",
     "square_mean", "second_moment", which may be None: its diagonal square_mean stands in). method "rtn":
     ModelOpt's round-to-nearest; "awq" / "gptq": the search of the module docstring (tie: per-channel class
-    ids whose channels must share one scale, for a fold that needs it). threads: host threads for the codes (0: all
-    cores)."""
+    ids whose channels must share one scale, for a fold that needs it). threads: host threads for the codes
+    (0: all cores)."""
     if method not in ("rtn", "awq", "gptq"):
         raise ValueError(f"method must be 'rtn', 'awq' or 'gptq', got {method!r}")
     g = _Group([np.asarray(w, np.float32) for w in parts], Moments.of(stats), threads)
