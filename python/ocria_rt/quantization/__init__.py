@@ -39,12 +39,11 @@ import numpy as np
 
 from ..errors import FileError, InvalidArgumentError, ModelError
 from . import calibration, plan as planning, writer
-from .awq import GroupQuantization, format_bytes, quantize_group
+from .awq import METHODS, GroupQuantization, format_bytes, quantize_group
 from .report import format_table, write_kl_plot
 from .safetensors_io import DTYPE_BYTES, Checkpoint
 
 RECIPES = ("fp8", "nvfp4", "mixed")
-METHODS = ("awq", "gptq", "rtn")
 DEFAULT_CALIBRATION_PAGES = 64  # a quarter held out: ~500 continuation tokens of ocria-mini pages for the KL
 DEFAULT_MAX_KL = 0.005  # nats per continuation token, summed over the groups alone: mixed without a budget
 REPORT_NAME, PLOT_NAME = "quantization_report.json", "quantization_kl.png"

@@ -28,6 +28,7 @@ import numpy as np
 
 from . import formats as F
 
+METHODS = ("awq", "gptq", "rtn")
 ALPHAS = np.linspace(0.0, 1.0, 11)
 CLIP_GRID = np.array([1.1, 1.05, 1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6], np.float32)
 DAMPING = 0.01  # of H's mean diagonal, added to its diagonal before the feedback rounding inverts it
@@ -251,11 +252,8 @@ def _round_rows(w: np.ndarray, u: np.ndarray, fmt: str, scale: np.float32, codes
         err = np.zeros((n, o1 - o0), np.float32)
         for b0 in range(o0, o1, b):
             blk = w[:, b0:b0 + b]
-            if fmt == "nvfp4":
-                bmax = np.abs(blk).max(axis=1)
-                bs_code = F.fp8_quantize(np.clip(bmax / (F.E2M1_MAX * float(scale)), 2.0**-9, F.FP8_MAX),
-                                         np.float32(1.0), threads=1).reshape(-1)
-                bs_code[bmax == 0] = F.FP8_ONE_CODE
+            if fmt == "nvfp4":  # ModelOpt's block scale (the library's rule) of the updated weights
+                bs_code = F.nvfp4_quantize(np.ascontiguousarray(blk), scale, threads=1)[0][:, 0]
                 block_codes[rows, b0 // b] = bs_code
                 step = F.e4m3_decode(bs_code) * scale
             for j in range(blk.shape[1]):  # 16, or fewer at the end of an FP8 row
@@ -282,8 +280,8 @@ def quantize_group(parts: list[np.ndarray], fmt: str, stats: dict, method: str =
     ModelOpt's round-to-nearest; "awq" / "gptq": the search of the module docstring (tie: per-channel class
     ids whose channels must share one scale, for a fold that needs it). threads: host threads for the codes
     (0: all cores)."""
-    if method not in ("rtn", "awq", "gptq"):
-        raise ValueError(f"method must be 'rtn', 'awq' or 'gptq', got {method!r}")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     g = _Group([np.asarray(w, np.float32) for w in parts], Moments.of(stats), threads)
 
     def finish(weights: list[QuantizedWeight], p: np.ndarray | None, alpha: float, searched: float, error: float,

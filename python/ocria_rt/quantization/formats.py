@@ -25,7 +25,6 @@ FP8_MAX = 448.0
 E2M1_MAX = 6.0
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 E2M1_MIDPOINTS = (E2M1_VALUES[1:] + E2M1_VALUES[:-1]) / 2
-FP8_ONE_CODE = 0x38  # E4M3 1.0: an all-zero NVFP4 block's scale
 
 
 def _e4m3_values() -> np.ndarray:
