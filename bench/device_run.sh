@@ -5,6 +5,9 @@
 #   bench/device_run.sh OUT_DIR [tests|kernels|decode|vision|all|ncu|spec ...]
 #
 # spec (not part of all): speculative decoding, bench/spec.py (SPEC_ARGS for its arguments).
+# drafter (not part of all): scripts/train_drafter/pipeline.sh trains a DFlash2 drafter for the shipped
+# ocria-mini for DRAFTER_MINUTES (default 6) and measures it (its options from the environment, e.g.
+# BLOCK=8 LAYERS="2 6 7"). Needs torch and transformers on the machine (fla for their DeltaNet kernels).
 # ncu (not part of all): decode steps under Nsight Compute, bench/ncu_step.py (NCU_ARGS for its `run`,
 # e.g. "--shape qwen3.5-0.8b"); needs a runtime with hardware counters. With NCU_KERNELS (a regex of
 # kernel names, e.g. "gdn_decode|attention_decode"), also the first NCU_LAUNCHES (default 4) launches
@@ -75,6 +78,10 @@ if [[ " $STEPS " == *" ncu "* ]]; then
 fi
 if [[ " $STEPS " == *" spec "* ]]; then
   python3 bench/spec.py "$OUT_DIR/spec.json" ${SPEC_ARGS:-} 2>&1 | tee "$OUT_DIR/spec.log" | tail -20
+fi
+if [[ " $STEPS " == *" drafter "* ]]; then
+  scripts/train_drafter/pipeline.sh python/ocria_rt/models/ocria-mini /tmp/drafter-run \
+    "$OUT_DIR/drafter" "${DRAFTER_MINUTES:-6}" 2>&1 | tee "$OUT_DIR/drafter.log" | tail -12
 fi
 if has_step decode; then
   python3 bench/decode.py "$OUT_DIR/decode.json" ${DECODE_ARGS:-} 2>&1 | tee "$OUT_DIR/decode.log" | tail -20

@@ -5,11 +5,17 @@ smoke run (data, training with a resume, export, the same checks on its fresh ou
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import importlib.util
 import json
 import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import ModuleType
 
+import numpy as np
 import pytest
 
 import ocria_rt
@@ -46,22 +52,49 @@ def test_trained_drafter_speculative_greedy_is_plain_greedy(engine: ocria_rt.Eng
     assert spec.acceptance_lengths and sum(spec.acceptance_lengths) == 47  # the first token comes from the prefill
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None,
-                    reason="the training recipe needs torch and transformers")
-def test_smoke_recipe(tmp_path) -> None:
-    # the recipe's modules have plain names (data, train, model) that other scripts' tests also import
+@contextmanager
+def recipe_module(name: str) -> Iterator[ModuleType]:
+    """scripts/train_drafter/<name>.py imported; the recipe's modules have plain names (data, train,
+    model) that other scripts' tests also import, so theirs are put back afterwards."""
     names = ("smoke", "data", "train", "model")
     saved = {n: sys.modules.pop(n) for n in names if n in sys.modules}
     sys.path.insert(0, str(REPO / "scripts" / "train_drafter"))
     try:
-        import smoke
-
-        r = smoke.run(tmp_path)  # raises on a proposal or greedy mismatch
+        yield importlib.import_module(name)
     finally:
         sys.path.remove(str(REPO / "scripts" / "train_drafter"))
         for n in names:
             sys.modules.pop(n, None)
         sys.modules.update(saved)
+
+
+def test_pages_drawn_by_worker_processes_are_those_drawn_in_process() -> None:
+    args = argparse.Namespace(images=None, target=PACKAGE_MODELS / "ocria-mini", split="heldout", seed=0, pages=5,
+                              workers=0)
+    with recipe_module("data") as data:
+        here = list(data.page_sources(args, start=2))
+        args.workers = 2
+        pooled = list(data.page_sources(args, start=2))
+    assert [key for key, _ in here] == [key for key, _ in pooled] and len(here) == 3
+    assert all(a.size == b.size and a.tobytes() == b.tobytes() for (_, a), (_, b) in zip(here, pooled))
+
+
+def test_cache_reading_skips_a_shard_being_written(tmp_path) -> None:
+    page = {"0/ids": np.arange(4, dtype=np.int32), "0/prompt_len": np.int32(1), "0/taps": np.ones((4, 2), np.float16)}
+    np.savez(tmp_path / "shard-00000.npz", **page)
+    np.savez(tmp_path / "shard-00001.npz", **page)
+    (tmp_path / "shard-00002.npz.tmp.npz").write_bytes(b"half a shard")  # data.py's name while it writes
+    with recipe_module("data") as data:
+        assert data.shard_files(tmp_path) == [tmp_path / "shard-00000.npz", tmp_path / "shard-00001.npz"]
+        pages = list(data.read_cache(tmp_path, shards=slice(1, None)))
+    assert len(pages) == 1 and pages[0]["prompt_len"] == 1 and pages[0]["taps"].shape == (4, 2)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None,
+                    reason="the training recipe needs torch and transformers")
+def test_smoke_recipe(tmp_path) -> None:
+    with recipe_module("smoke") as smoke:
+        r = smoke.run(tmp_path)  # raises on a proposal or greedy mismatch
     assert r["proposals_match"] and r["greedy_match"] == len(smoke.PROMPT_SEEDS)
     assert r["loop_steps_match"] > 0  # the engine's proposals = torch's at every step on the image pages
     assert r["steps"] == 40 and r["ce_last"] < r["ce_first"]

@@ -13,6 +13,9 @@ that a resume or evaluate.py --data does not mix pages.
     python scripts/train_drafter/data.py --target python/ocria_rt/models/ocria-mini --out runs/d/data \
         --layers 1 3 5 --pages 400
     python scripts/train_drafter/data.py --target DIR --out DIR --layers ... --images my_pages/   # user pages
+
+On a GPU (`--device cuda`) the engine and the transformers forward run there, and `--workers` processes
+draw the synthdoc pages meanwhile (page drawing is then the slow part on the host).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from functools import partial
+from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
@@ -30,21 +35,30 @@ from ocria_rt.pipeline import DEFAULT_PROMPT
 SHARD_PAGES = 16
 
 
-def page_sources(args):
-    """(key, PIL image) of the pages to use: synthdoc's training split (the target's own distribution
-    when its directory has training.json) or every image under --images."""
+def _draw_page(split: str, seed: int, config, index: int):
+    image, _, meta = synthdoc.generate_page(synthdoc.page_seed(split, index, seed), config)
+    return f"{split}/{meta['seed']}", image
+
+
+def page_sources(args, start: int = 0):
+    """(key, PIL image) of the pages to use from index `start` on: synthdoc's training split (the target's
+    own distribution when its directory has training.json; drawn by --workers processes when > 0) or
+    every image under --images."""
     if args.images:
         from PIL import Image
 
         files = sorted(p for p in Path(args.images).rglob("*") if p.suffix.lower() in (".png", ".jpg", ".jpeg"))
         if not files:
             raise SystemExit(f"no PNG / JPEG images under {args.images}")
-        for f in files[: args.pages]:
+        for f in files[start: args.pages]:
             yield str(f), Image.open(f).convert("RGB")
         return
-    cfg = synthdoc.training_page_config(args.target)
-    for i, (image, _, meta) in enumerate(synthdoc.iter_dataset(args.split, args.pages, args.seed, cfg)):
-        yield f"{args.split}/{meta['seed']}", image
+    draw = partial(_draw_page, args.split, args.seed, synthdoc.training_page_config(args.target))
+    if args.workers <= 0:
+        yield from map(draw, range(start, args.pages))
+        return
+    with get_context("spawn").Pool(args.workers) as pool:  # spawn: no fork of a process holding a GPU
+        yield from pool.imap(draw, range(start, args.pages), chunksize=4)
 
 
 def pages_from(args) -> dict | None:
@@ -55,10 +69,16 @@ def pages_from(args) -> dict | None:
     return synthdoc.page_sources(synthdoc.training_page_config(args.target))
 
 
-def read_cache(data: Path, taps: bool = True):
+def shard_files(data: Path) -> list[Path]:
+    """The complete shards of a cache, in page order (not the .tmp.npz of one being written)."""
+    return sorted(data.glob("shard-[0-9][0-9][0-9][0-9][0-9].npz"))
+
+
+def read_cache(data: Path, taps: bool = True, shards: slice = slice(None)):
     """The cached pages in data.py's order (their index in page_sources), each a dict of ids (int32),
-    prompt_len and, with taps, the taps (float16); the shards are read lazily, page by page."""
-    for shard in sorted(data.glob("shard-*.npz")):
+    prompt_len and, with taps, the taps (float16); the shards (those of the slice) are read lazily,
+    page by page."""
+    for shard in shard_files(data)[shards]:
         with np.load(shard) as z:
             for j in range(len({k.split("/")[0] for k in z.files})):
                 page = {"ids": z[f"{j}/ids"], "prompt_len": int(z[f"{j}/prompt_len"])}
@@ -79,16 +99,17 @@ def load_transformers_target(target: Path):
 def taps_of(model, cfg, ids: list[int], pixel_values, grid, layers: list[int]) -> np.ndarray:
     import torch
 
-    x = torch.tensor([ids])
+    device = next(model.parameters()).device
+    x = torch.tensor([ids], device=device)
     kw = {}
     if pixel_values is not None:
         img = cfg.image_token_id
-        kw = dict(pixel_values=torch.from_numpy(pixel_values), image_grid_thw=torch.from_numpy(grid),
+        kw = dict(pixel_values=torch.from_numpy(pixel_values).to(device), image_grid_thw=torch.from_numpy(grid).to(device),
                   mm_token_type_ids=(x == img).int())
         model.model.rope_deltas = None
     with torch.no_grad():
         out = model(input_ids=x, output_hidden_states=True, use_cache=False, logits_to_keep=1, **kw)
-    return torch.cat([out.hidden_states[i + 1][0] for i in layers], -1).numpy()
+    return torch.cat([out.hidden_states[i + 1][0] for i in layers], -1).cpu().numpy()
 
 
 def main(argv=None) -> None:
@@ -102,6 +123,8 @@ def main(argv=None) -> None:
     ap.add_argument("--images", type=Path, help="a folder of page images to use instead of synthdoc pages")
     ap.add_argument("--max-new-tokens", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda: where the engine and the transformers target run")
+    ap.add_argument("--workers", type=int, default=0, help="processes drawing synthdoc pages (0: in this one)")
     ap.add_argument("--minutes", type=float, default=25.0, help="stop after the shard that passes this budget")
     args = ap.parse_args(argv)
 
@@ -120,11 +143,15 @@ def main(argv=None) -> None:
         raise SystemExit(f"{meta_path} was written for other options: {meta_path.read_text()}")
     meta_path.write_text(json.dumps(meta, indent=1) + "\n")
 
-    eng = ocria_rt.Engine(args.target, num_threads=args.threads)
+    eng = ocria_rt.Engine(args.target, device=args.device, num_threads=args.threads)
     model, cfg = load_transformers_target(args.target)
+    model.to(args.device)
     t0 = time.perf_counter()
     shard: list[dict] = []
     done = 0
+    start = 0  # shards are written in page order: resume after the last complete one
+    while (args.out / f"shard-{start // SHARD_PAGES:05d}.npz").exists():
+        start += SHARD_PAGES
 
     def flush(path: Path) -> bool:
         nonlocal shard, done
@@ -138,10 +165,8 @@ def main(argv=None) -> None:
         return dt > 60 * args.minutes
 
     path = None
-    for i, (key, image) in enumerate(page_sources(args)):
+    for i, (key, image) in enumerate(page_sources(args, start), start):
         path = args.out / f"shard-{i // SHARD_PAGES:05d}.npz"
-        if path.exists():  # already cached
-            continue
         messages = [{"role": "user", "content": [{"type": "image", "image": image},
                                                  {"type": "text", "text": DEFAULT_PROMPT}]}]
         ids, pv, grid = build_multimodal_prompt(eng, messages)

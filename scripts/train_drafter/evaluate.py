@@ -56,11 +56,11 @@ def cached_answers(data: Path, start: int, n: int) -> list[list[int]]:
 
 
 def evaluate(target: Path, drafter: Path, pages: list, max_new: int, threads: int,
-             cached: list[list[int]] | None = None) -> dict:
+             cached: list[list[int]] | None = None, device: str = "cpu") -> dict:
     import ocria_rt
     from ocria_rt.chat import build_multimodal_prompt
 
-    eng = ocria_rt.Engine(target, drafter=drafter, num_threads=threads)
+    eng = ocria_rt.Engine(target, drafter=drafter, device=device, num_threads=threads)
     prompts = []
     for image, ref, meta in pages:
         messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": DEFAULT_PROMPT}]}]
@@ -97,7 +97,7 @@ def evaluate(target: Path, drafter: Path, pages: list, max_new: int, threads: in
         "speedup_decode": decode_s[False] / decode_s[True], "speedup_end_to_end": wall[False] / wall[True],
         "cpu_s_per_page_plain": cpu[False] / n, "cpu_s_per_page_speculative": cpu[True] / n,
         "speedup_cpu_time": cpu[False] / cpu[True],
-        "mismatched_pages": mismatched, "cer": float(np.mean(cer)), "threads": threads,
+        "mismatched_pages": mismatched, "cer": float(np.mean(cer)), "threads": threads, "device": device,
         **({"cached_answers_equal": cache_equal} if cached is not None else {}),
     }
 
@@ -114,6 +114,7 @@ def main(argv=None) -> None:
     ap.add_argument("--block-sizes", type=int, nargs="*", default=[])
     ap.add_argument("--max-new-tokens", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
 
@@ -134,7 +135,7 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for block in args.block_sizes or [own]:
             r = evaluate(args.target, with_block_size(args.drafter, block, Path(tmp)), pages, args.max_new_tokens,
-                         args.threads, cached)
+                         args.threads, cached, args.device)
             print(json.dumps({k: v for k, v in r.items() if k != "acceptance_histogram"}), flush=True)
             out.append(r)
     if args.json:

@@ -213,7 +213,7 @@ class DFlash2Drafter(nn.Module):
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        tensors = {k: v.detach().to(dtype).contiguous() for k, v in self.state_dict().items()}
+        tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in self.state_dict().items()}
         tmp = directory / "model.safetensors.tmp"
         save_file(tensors, str(tmp), metadata={"format": "pt"})
         tmp.replace(directory / "model.safetensors")

@@ -71,7 +71,7 @@ def loop_mismatches(eng, model, cache: Path, embed, head) -> tuple[int, list[str
     meta = json.loads((cache / "meta.json").read_text())
     pages = train.load_cache(cache)
     source = argparse.Namespace(images=None, target=TARGET, split=meta["split"], seed=meta["seed"],
-                                pages=pages[-1]["index"] + 1)
+                                pages=pages[-1]["index"] + 1, workers=0)
     images = [image for _, image in data.page_sources(source)]
     steps, bad = 0, []
     for page in pages:

@@ -14,6 +14,8 @@ runs are picked up at each checkpoint.
 
     python scripts/train_drafter/train.py --target python/ocria_rt/models/ocria-mini --data runs/d/data \
         --out runs/d --steps 3000 --minutes 25
+
+--device cuda trains on a GPU (the cache stays in host memory; each step's batch is copied over).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from data import read_cache  # noqa: E402
+from data import SHARD_PAGES, read_cache, shard_files  # noqa: E402
 from model import DFlash2Drafter, DrafterSpec  # noqa: E402
 
 GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # SpecForge's decay per block size; else B / 2
@@ -56,14 +58,16 @@ def target_tables(target: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return embed, head, final_scale, {**text, "top": cfg}
 
 
-def load_cache(data: Path) -> list[dict]:
-    """The cached pages with at least one anchor to train (index: the page's place in the cache, which is
-    its index in data.py's page sources)."""
+def load_cache(data: Path, first_shard: int = 0, end_shard: int | None = None) -> list[dict]:
+    """The cached pages (of shards first_shard .. end_shard - 1; all shards are full but the last) with at
+    least one anchor to train (index: the page's place in the cache, which is its index in data.py's page
+    sources)."""
     pages = [{"ids": torch.from_numpy(p["ids"].astype(np.int64)), "taps": torch.from_numpy(p["taps"]),
               "prompt_len": p["prompt_len"], "index": index}
-             for index, p in enumerate(read_cache(data))
+             for index, p in enumerate(read_cache(data, shards=slice(first_shard, end_shard)),
+                                       first_shard * SHARD_PAGES)
              if len(p["ids"]) - p["prompt_len"] >= 2]  # at least one anchor with a label
-    if not pages:
+    if not pages and first_shard == 0:
         raise SystemExit(f"no usable cached pages in {data} (run data.py first)")
     return pages
 
@@ -97,7 +101,7 @@ def losses(model: DFlash2Drafter, head: torch.Tensor, hidden, labels, gamma: flo
     B = labels.shape[-1]
     h, gold = hidden[:, :, 1:], labels[:, :, 1:]
     valid = gold >= 0
-    w = torch.exp(-torch.arange(B - 1, dtype=torch.float32) / gamma) * valid
+    w = torch.exp(-torch.arange(B - 1, dtype=torch.float32, device=hidden.device) / gamma) * valid
     logits = h @ head.T
     ce = F.cross_entropy(logits.flatten(0, 2), gold.clamp(min=0).flatten(), reduction="none").view_as(w)
     ce = (ce * w).sum() / w.sum()
@@ -131,7 +135,8 @@ def main(argv=None) -> None:
     ap.add_argument("--selector-rank", type=int, default=64)
     ap.add_argument("--selector-top-k", type=int, default=16)
     ap.add_argument("--mask-token-id", type=int, default=-1, help="-1: the target's video token, else its last id")
-    ap.add_argument("--steps", type=int, default=3000, help="schedule length")
+    ap.add_argument("--steps", type=int, default=3000,
+                    help="schedule length; 0: the cosine follows this run's --minutes instead (one run, no resume)")
     ap.add_argument("--minutes", type=float, default=25.0, help="stop (with a checkpoint) after this much time")
     ap.add_argument("--run-steps", type=int, default=0, help="stop (with a checkpoint) after this many steps of this run")
     ap.add_argument("--batch", type=int, default=4, help="sequences per step")
@@ -143,6 +148,7 @@ def main(argv=None) -> None:
     ap.add_argument("--ckpt-every", type=int, default=200)
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -150,7 +156,8 @@ def main(argv=None) -> None:
 
     embed, head, final_scale, text = target_tables(args.target)
     meta = json.loads((args.data / "meta.json").read_text())
-    pages, shards = load_cache(args.data), len(list(args.data.glob("shard-*.npz")))
+    shards = len(shard_files(args.data))
+    pages = load_cache(args.data, 0, shards)
     H, V = int(text["hidden_size"]), int(text["vocab_size"])
     mask_id = args.mask_token_id
     if mask_id < 0:
@@ -158,7 +165,7 @@ def main(argv=None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     ckpt_path = args.out / "ckpt.pt"
     if ckpt_path.exists():
-        ck = torch.load(ckpt_path, weights_only=False)
+        ck = torch.load(ckpt_path, weights_only=False, map_location=args.device)
         spec = DrafterSpec(**ck["spec"])
     else:
         ck = None
@@ -172,14 +179,14 @@ def main(argv=None) -> None:
     if spec.target_layer_ids != list(meta["layers"]):
         raise SystemExit(f"the checkpoint taps layers {spec.target_layer_ids}, the cache {meta['layers']}")
     torch.manual_seed(args.seed)
-    model = DFlash2Drafter(spec)
+    model = DFlash2Drafter(spec).to(args.device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     gen = torch.Generator().manual_seed(args.seed)
     step = 0
     if ck is not None:
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
-        gen.set_state(ck["gen"])
+        gen.set_state(ck["gen"].cpu())
         step = ck["step"]
         print(f"resumed at step {step}", flush=True)
     else:  # the drafter's hidden states start at the scale of the target's final ones
@@ -187,7 +194,8 @@ def main(argv=None) -> None:
             model.norm.weight.copy_(final_scale)
     B = spec.block_size
     gamma = args.gamma or GAMMA.get(B, B / 2)
-    embed_in = embed * float(spec.extra.get("input_embedding_scale", 1.0))
+    embed_in = (embed * float(spec.extra.get("input_embedding_scale", 1.0))).to(args.device)
+    head = head.to(args.device)
     log = (args.out / "log.jsonl").open("a")
     run_args = vars(args) | {"target": str(args.target), "data": str(args.data), "out": str(args.out)}
     if ck is None:
@@ -204,12 +212,17 @@ def main(argv=None) -> None:
 
     acc: dict[str, float] = {}
     n_acc = 0
-    stop_at = min(args.steps, step + args.run_steps) if args.run_steps else args.steps
+    by_time = args.steps == 0
+    if by_time and ck is not None:
+        raise SystemExit("--steps 0 (a schedule over one run's minutes) cannot resume a checkpoint")
+    stop_at = math.inf if by_time else min(args.steps, step + args.run_steps) if args.run_steps else args.steps
     while step < stop_at:
-        lr = args.lr * min(1.0, (step + 1) / args.warmup) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
+        done = (time.perf_counter() - t0) / (60 * args.minutes) if by_time else step / args.steps
+        lr = args.lr * min(1.0, (step + 1) / args.warmup) * 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
         for g in opt.param_groups:
             g["lr"] = lr
-        taps, block_ids, anchor_pos, labels = make_batch(pages, gen, args.batch, args.anchors, B, spec.mask_token_id)
+        batch = make_batch(pages, gen, args.batch, args.anchors, B, spec.mask_token_id)
+        taps, block_ids, anchor_pos, labels = (t.to(args.device, non_blocking=True) for t in batch)
         hidden = model(taps, block_ids, anchor_pos, embed_in)
         ce, sel, metrics = losses(model, head, hidden, labels, gamma)
         loss = ce + args.selector_weight * sel
@@ -231,8 +244,10 @@ def main(argv=None) -> None:
         out_of_time = time.perf_counter() - t0 > 60 * args.minutes
         if step % args.ckpt_every == 0 or step == stop_at or out_of_time:
             save()
-            if len(list(args.data.glob("shard-*.npz"))) != shards:
-                pages, shards = load_cache(args.data), len(list(args.data.glob("shard-*.npz")))
+            now = len(shard_files(args.data))
+            if now != shards:  # data.py has added shards
+                pages += load_cache(args.data, shards, now)
+                shards = now
                 print(f"{len(pages)} cached pages", flush=True)
         if out_of_time:
             print(f"time budget spent at step {step}; rerun to resume", flush=True)
