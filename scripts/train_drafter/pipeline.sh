@@ -7,7 +7,7 @@
 #
 #   scripts/train_drafter/pipeline.sh TARGET WORK RESULTS [MINUTES]
 #
-# Env (defaults): PYTHON (python3), DEVICE (cuda), LAYERS ("1 3 5 7"), BLOCK (16), NUM_LAYERS (2), BATCH (64), ANCHORS (16),
+# Env (defaults): PYTHON (python3), DEVICE (cuda), LAYERS ("2 6 7": ocria-mini's, see README), BLOCK (16), NUM_LAYERS (2), BATCH (64), ANCHORS (16),
 # LR (6e-4), WORKERS (cores - 2), EVAL_PAGES (48), MIN_SHARDS (4: cached before the first step).
 set -euo pipefail
 TARGET=${1:?usage: pipeline.sh TARGET WORK RESULTS [MINUTES]}
@@ -17,7 +17,7 @@ MINUTES=${4:-6}
 DEVICE=${DEVICE:-cuda}
 PYTHON=${PYTHON:-python3}
 HERE=$(cd "$(dirname "$0")" && pwd)
-LAYERS=${LAYERS:-1 3 5 7}
+LAYERS=${LAYERS:-2 6 7}
 BLOCK=${BLOCK:-16}
 WORKERS=${WORKERS:-$(( $(nproc) > 3 ? $(nproc) - 2 : 1 ))}
 EVAL_PAGES=${EVAL_PAGES:-48}
