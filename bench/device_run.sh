@@ -14,7 +14,8 @@
 # of those kernels with the full set and the source counters: ncu-source.md, their hottest instructions.
 # Extra benchmark arguments: DECODE_ARGS, VISION_ARGS, KERNELS_ARGS, TEST_ARGS (pytest; default: the whole suite),
 # TEST_K (a pytest -k expression, spaces allowed), TEST_WORKERS (pytest-xdist processes sharing the
-# GPU, e.g. 8: the GPU suite's ~810 tests then take about 4 minutes);
+# GPU, e.g. 8: the GPU suite's ~810 tests then take about 5 minutes), TEST_SECONDS (interrupt pytest
+# then, with its summary and tracebacks);
 # build parallelism: CMAKE_BUILD_PARALLEL_LEVEL; OCRIA_RT_SKIP_BUILD=1 uses what an earlier run installed.
 #
 # Dependencies the machine lacks come as wheels in .wheels/ (bench/device_wheels.sh fills it; nvidia-cutlass
@@ -48,7 +49,10 @@ status=0
 if has_step tests; then
   # One line per test as it ends (-v), so that a run stopped at a time limit still names its failures:
   # tests.log keeps everything but the passes, tests-failed.txt the failures and errors.
-  python3 -m pytest -v -rfEs -p no:benchmark ${TEST_WORKERS:+-n "$TEST_WORKERS"} ${TEST_ARGS:-tests} \
+  # TEST_SECONDS: pytest is interrupted (SIGINT) then, and still prints the tracebacks of the failures
+  # so far, which a limit on the whole call would cut off.
+  ${TEST_SECONDS:+timeout -s INT -k 30 "$TEST_SECONDS"} python3 -m pytest -v -rfEs -p no:benchmark \
+    ${TEST_WORKERS:+-n "$TEST_WORKERS"} ${TEST_ARGS:-tests} \
     ${TEST_K:+-k "$TEST_K"} 2>&1 | grep --line-buffered -v " PASSED" | tee "$OUT_DIR/tests.log" | tail -25
   status=${PIPESTATUS[0]}
   grep -E "(FAILED|ERROR)( |$)" "$OUT_DIR/tests.log" | sort -u > "$OUT_DIR/tests-failed.txt"

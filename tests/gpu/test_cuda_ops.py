@@ -467,14 +467,18 @@ QUANT_GLU_CASES = [(fmt, M, K, I) for fmt in ("fp8", "nvfp4")
 @pytest.mark.parametrize("fmt,M,K,I", QUANT_GLU_CASES)
 def test_quantized_glu(cpu, gpu, fmt, M, K, I, input_scale):
     """linear_glu and rms_norm_linear_glu (the norm's scale from the x before input_scale) against the
-    CPU; the rows are taken to be in the GLU layout."""
+    CPU; the rows are taken to be in the GLU layout. The decode path applies the activation to the fp32
+    sums (one BF16 rounding); the others round the product to BF16 before the activation rounds again
+    (and the dequantized path the weights times input_scale before that): CHAIN_TOL."""
     rng = np.random.default_rng(M * 31 + K + I + input_scale)
     w = quant_weight(rng, fmt, 2 * I, K, input_scale)
     x = bf16(randn(rng, M, K) * rng.uniform(0.5, 40, (M, 1)).astype(np.float32))
-    assert relerr(gpu.linear_glu(x, w), cpu.linear_glu(x, w)) <= OUT_TOL
+    skinny = M <= 16 and K % (16 if fmt == "fp8" else 64) == 0
+    tol = OUT_TOL if skinny else CHAIN_TOL
+    assert relerr(gpu.linear_glu(x, w), cpu.linear_glu(x, w)) <= tol
     got, normed = gpu.rms_norm_linear(x, w, 1e-6, glu=True)
-    assert relerr(got, cpu.rms_norm_linear(x, w, 1e-6, glu=True)[0]) <= OUT_TOL
-    if M <= 16 and K % (16 if fmt == "fp8" else 64) == 0:
+    assert relerr(got, cpu.rms_norm_linear(x, w, 1e-6, glu=True)[0]) <= tol
+    if skinny:
         assert np.isnan(normed).all()  # the decode path scales the sums, never forms the normed rows
 
 
