@@ -165,7 +165,10 @@ def main(argv=None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     ckpt_path = args.out / "ckpt.pt"
     if ckpt_path.exists():
-        ck = torch.load(ckpt_path, weights_only=False, map_location=args.device)
+        if args.steps == 0:
+            raise SystemExit("--steps 0 (a schedule over one run's minutes) cannot resume a checkpoint")
+        # on the host: load_state_dict moves the model's and the optimizer's tensors to the model's device
+        ck = torch.load(ckpt_path, weights_only=False, map_location="cpu")
         spec = DrafterSpec(**ck["spec"])
     else:
         ck = None
@@ -186,7 +189,7 @@ def main(argv=None) -> None:
     if ck is not None:
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
-        gen.set_state(ck["gen"].cpu())
+        gen.set_state(ck["gen"])
         step = ck["step"]
         print(f"resumed at step {step}", flush=True)
     else:  # the drafter's hidden states start at the scale of the target's final ones
@@ -213,8 +216,6 @@ def main(argv=None) -> None:
     acc: dict[str, float] = {}
     n_acc = 0
     by_time = args.steps == 0
-    if by_time and ck is not None:
-        raise SystemExit("--steps 0 (a schedule over one run's minutes) cannot resume a checkpoint")
     stop_at = math.inf if by_time else min(args.steps, step + args.run_steps) if args.run_steps else args.steps
     while step < stop_at:
         done = (time.perf_counter() - t0) / (60 * args.minutes) if by_time else step / args.steps
