@@ -31,6 +31,8 @@ tokens, its 13th launch:
         --set full --import-source yes --warp-sampling-interval 0 -o OUT/k \
         python3 bench/ncu_step.py linear 16 12352 2560 rms_norm_linear
 
+(`--format fp8|nvfp4`: the same shape with quantized weights.)
+
 It prints, per section of the export (ncu writes at least one per profiled launch), the warp
 instructions executed, the stall reasons summed over the kernel and the instructions that hold the
 most samples (each with its top two reasons): instructions executed say where the issue slots go,
@@ -91,8 +93,8 @@ def run(args: argparse.Namespace) -> None:
 def linear(args: argparse.Namespace) -> None:
     from ocria_rt import _core
 
-    us = _core.KernelBench("cuda").linear(args.M, args.N, args.K, args.op, iters=8, reps=2)
-    print(f"{args.op} M={args.M} N={args.N} K={args.K}: {min(us):.2f} us a call (unprofiled replays)")
+    us = _core.KernelBench("cuda").linear(args.M, args.N, args.K, args.op, iters=8, reps=2, fmt=args.format)
+    print(f"{args.op} M={args.M} N={args.N} K={args.K} {args.format}: {min(us):.2f} us a call (unprofiled replays)")
 
 
 def number(s: str) -> float | None:
@@ -204,6 +206,7 @@ def main() -> None:
     g.add_argument("N", type=int)
     g.add_argument("K", type=int)
     g.add_argument("op", help="as KernelBench.linear takes it (it names the ones it knows otherwise)")
+    g.add_argument("--format", default="dense", choices=("dense", "fp8", "nvfp4"), help="the weight's format")
     s = sub.add_parser("summarize", help="a Markdown table from ncu's --csv --page raw log")
     s.add_argument("csv", type=Path)
     s.add_argument("--out", type=Path)
