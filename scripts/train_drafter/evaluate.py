@@ -9,10 +9,10 @@ pages/s, the process CPU seconds per page of both (the fair figure on a shared m
 sizes (a copy of the drafter with dflash_config.block_size changed). --data runs pages of data.py's cache
 (pages --start .. --start + --pages - 1 of its split and seed; e.g. the drafter's own training pages) and
 counts the pages whose plain greedy answer is the cached one (it is not when synthdoc draws the same
-seeds from another text source than the cache's).
+seeds from another text source than the cache's). --plot writes the acceptance-length histograms as a PNG.
 
     python scripts/train_drafter/evaluate.py --target python/ocria_rt/models/ocria-mini --drafter runs/d/drafter \
-        --pages 100 --block-sizes 16 8 --json runs/d/eval.json
+        --pages 100 --block-sizes 16 8 --json runs/d/eval.json --plot runs/d/acceptance.png
     python scripts/train_drafter/evaluate.py --target ... --drafter runs/d/drafter --data runs/d/data --pages 16
 """
 
@@ -102,6 +102,30 @@ def evaluate(target: Path, drafter: Path, pages: list, max_new: int, threads: in
     }
 
 
+def write_histogram_plot(path: Path, results: list[dict]) -> None:
+    """One bar chart per block size: the share of verify steps that emitted 1 .. B tokens, with tau."""
+    from PIL import Image, ImageDraw
+
+    W, H, pad = 640, 260, 40
+    img = Image.new("RGB", (W, H * len(results)), "white")
+    d = ImageDraw.Draw(img)
+    for i, r in enumerate(results):
+        top, B = i * H, r["block_size"]
+        counts = (r["acceptance_histogram"] + [0] * (B + 1))[1:B + 1]  # tokens emitted per step: 1 .. B
+        share = np.array(counts, float) / max(sum(counts), 1)
+        d.text((pad, top + 8), f"block {B}: tau {r['tau']:.2f} over {r['verify_steps']} verify steps, "
+                               f"{r['pages']} pages (share of steps by tokens emitted)", fill="black")
+        x0, y0, plot_h = pad, top + H - pad, H - 2.5 * pad
+        bar = (W - 2 * pad) / B
+        d.line([(x0, y0), (W - pad, y0)], fill="black")
+        for k, f in enumerate(share):
+            h = plot_h * f / max(share.max(), 1e-9)
+            d.rectangle([x0 + k * bar + 2, y0 - h, x0 + (k + 1) * bar - 2, y0], fill=(70, 110, 180))
+            d.text((x0 + k * bar + bar / 2 - 4, y0 + 4), str(k + 1), fill="black")
+            d.text((x0 + k * bar + 2, y0 - h - 12), f"{100 * f:.0f}%", fill="black")
+    img.save(path)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", type=Path, required=True)
@@ -116,6 +140,7 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--plot", type=Path, help="a PNG of the acceptance-length histograms")
     args = ap.parse_args(argv)
 
     cfg = synthdoc.training_page_config(args.target)
@@ -142,6 +167,8 @@ def main(argv=None) -> None:
         args.json.write_text(json.dumps({"target": str(args.target), "drafter": str(args.drafter), "split": args.split, "seed": args.seed,
                                          "start": args.start, "pages_from": synthdoc.page_sources(cfg),
                                          "results": out}, indent=1) + "\n")
+    if args.plot:
+        write_histogram_plot(args.plot, out)
 
 
 if __name__ == "__main__":

@@ -46,4 +46,4 @@ cp -r "$WORK/run/drafter" "$WORK/run/log.jsonl" "$RESULTS/"
 "$PYTHON" "$HERE/diagnose.py" --target "$TARGET" --drafter "$WORK/run/drafter" --data "$WORK/heldout" \
   --pages "$EVAL_PAGES" --json "$RESULTS/diagnose_heldout.json" 2>&1 | tail -3
 "$PYTHON" "$HERE/evaluate.py" --target "$TARGET" --drafter "$WORK/run/drafter" --pages "$EVAL_PAGES" \
-  --block-sizes "$BLOCK" 8 --device "$DEVICE" --json "$RESULTS/eval_heldout.json" 2>&1 | tail -3
+  --block-sizes "$BLOCK" 8 --device "$DEVICE" --json "$RESULTS/eval_heldout.json" --plot "$RESULTS/acceptance.png" 2>&1 | tail -3
