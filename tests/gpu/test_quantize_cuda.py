@@ -10,6 +10,11 @@ import quant_numpy as qn
 from support import FIXTURES, relerr
 
 TEXT = FIXTURES / "text_tied"
+# Statistic -> tolerance (relerr, CUDA against CPU). The activations themselves differ by the BF16 drift of
+# the CUDA engine against the CPU's fp32; a channel's maximum over the tokens picks out one token's
+# drift (single channels 5-12% apart on the H200, relerr 0.032 over 48 tokens, 0.040 over 2,003),
+# while the means and the second moment average it out.
+STAT_TOL = {"abs_max": 6e-2, "abs_mean": 3e-2, "square_mean": 3e-2, "second_moment": 3e-2}
 
 
 def ids(n=40, seed=3):
@@ -17,8 +22,8 @@ def ids(n=40, seed=3):
 
 
 def test_observer_matches_cpu():
-    """The statistics of every projection's input agree with the CPU's within BF16 activations; observing
-    leaves the scores as they are."""
+    """The statistics of every projection's input agree with the CPU's within BF16 activations (STAT_TOL);
+    observing leaves the scores as they are."""
     tokens = ids(48)
     stats = {}
     for device in ("cpu", "cuda"):
@@ -31,8 +36,8 @@ def test_observer_matches_cpu():
             assert relerr(got, ocria_rt.Engine(TEXT, device="cuda").score(tokens)) <= 1e-2
     for cpu, cuda in zip(stats["cpu"], stats["cuda"]):
         assert cpu["tokens"] == cuda["tokens"] == 48
-        for key in ("abs_max", "abs_mean", "square_mean", "second_moment"):
-            assert relerr(cuda[key], cpu[key]) <= 3e-2, key
+        for key, tol in STAT_TOL.items():
+            assert relerr(cuda[key], cpu[key]) <= tol, key
 
 
 def test_set_linear_weight_restores_bits():
@@ -112,6 +117,6 @@ def test_observer_second_moment_on_cuda_long():
         stats[device] = eng.linear_input_stats()
     for cpu, cuda in zip(stats["cpu"], stats["cuda"]):
         assert cpu["tokens"] == cuda["tokens"] == 2003
-        for key in ("abs_max", "abs_mean", "square_mean", "second_moment"):
-            assert relerr(cuda[key], cpu[key]) <= 3e-2, key
+        for key, tol in STAT_TOL.items():
+            assert relerr(cuda[key], cpu[key]) <= tol, key
         np.testing.assert_allclose(np.diag(cuda["second_moment"]), cuda["square_mean"], rtol=1e-3)
