@@ -19,6 +19,9 @@
 //    and before its first global write (a write could race with a predecessor still reading the
 //    buffer). Before the wait it may only read data no kernel of the stream writes: weights, norm
 //    weights, constants.
+// The compiler may load through a const __restrict__ pointer as invariant memory (LDG.CONSTANT) and
+// schedule such a load above the wait, which the wait's "memory" clobber does not prevent: where it
+// does, the pointer must be plain. tests/test_pdl_sass.py checks the compiled kernels for it.
 // pdl_wait() returns once the predecessor has completed and its memory is visible; since that
 // predecessor only completed after its own wait returned, everything earlier has completed too.
 // Weights handed to ops must therefore never be written by ops' kernels (they are uploaded with

@@ -253,9 +253,12 @@ static_assert(2 * 128 + kDecMaxDv <= kDecThreads, "a conv channel per thread up 
 // bandwidth, the DeltaNet kernel 147 -> 129 us a step, against no register cap).
 constexpr int kDecMaxRegs = 80;
 
+// proj (the in_proj GEMM's output) is not __restrict__: as const __restrict__ the compiler loaded
+// its z and gate values as invariant memory (LDG.CONSTANT) above pdl_wait(), before that GEMM had
+// written them (tests/test_pdl_sass.py).
 template <int DK, int DV, int KW>
 __global__ void __maxnreg__(kDecMaxRegs)
-    gdn_decode_kernel(const bf16* __restrict__ proj, int64_t ldp, ParamView conv_w, float* __restrict__ conv_state,
+    gdn_decode_kernel(const bf16* proj, int64_t ldp, ParamView conv_w, float* __restrict__ conv_state,
                       ParamView A_log, ParamView dt_bias, ParamView norm_w, float* __restrict__ state,
                       bf16* __restrict__ out, int64_t ldo, int n_tokens, int HK, int HV, int dv_arg, int K_arg, float eps) {
   constexpr int R = DK / kWarps;        // rows of S per thread

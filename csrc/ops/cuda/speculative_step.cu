@@ -7,11 +7,12 @@ namespace ocria_rt {
 namespace {
 
 // One block: every thread reads the count, then advances its share of the positions; thread 0 sets
-// the anchors and the step index.
-__global__ void speculative_advance_kernel(const int32_t* __restrict__ count, const int32_t* __restrict__ tokens,
-                                           int32_t* __restrict__ positions, int32_t* __restrict__ rope_positions,
-                                           int32_t B, int32_t* __restrict__ draft_anchor,
-                                           int32_t* __restrict__ verify_anchor, int32_t* __restrict__ step) {
+// the anchors and the step index. No pointer is __restrict__: with const __restrict__ the compiler
+// may load count as invariant memory (LDG.CONSTANT) and schedule that load above pdl_wait(), before
+// speculative_accept has written it (backend.cuh, "programmatic dependent launch").
+__global__ void speculative_advance_kernel(const int32_t* count, const int32_t* tokens, int32_t* positions,
+                                           int32_t* rope_positions, int32_t B, int32_t* draft_anchor,
+                                           int32_t* verify_anchor, int32_t* step) {
   cuda::pdl_launch_dependents();
   cuda::pdl_wait();
   const int32_t n = *count;
