@@ -55,14 +55,16 @@ def block_size(name: str) -> int:
 def check_same_or_near_tie(name: str, prompt: list[int], got: list[int], want: list[int], **images) -> bool:
     """True where got (speculative) == want (plain greedy). Otherwise the first difference must be a
     near tie of the plain path: its top-2 margin (the decode path's logits, score chunk=1) within twice
-    the difference between those logits and a B-token forward's (score chunk=B)."""
+    the difference between those logits and a B-token forward's (score chunk=B, filler tokens after
+    the sequence so that its last position sits in a chunk of a whole B rows, as in a verify step:
+    the linears and the attention pick their kernels by the rows of the forward)."""
     if got == want:
         return True
     assert len(got) == len(want), f"{name}: {len(got)} tokens against {len(want)}"
     i = next(k for k in range(len(want)) if got[k] != want[k])
-    eng, seq = engine(name), prompt + want[:i]
+    eng, seq, B = engine(name), prompt + want[:i], block_size(name)
     one = eng.score(seq, chunk=1, **images)[-1]
-    block = eng.score(seq, chunk=block_size(name), **images)[-1]
+    block = eng.score(seq + [0] * (-len(seq) % B), chunk=B, **images)[len(seq) - 1]
     top2 = np.sort(one)[-2:]
     margin, err = float(top2[1] - top2[0]), float(np.abs(one - block).max())
     assert margin <= 2 * err + 1e-6, (f"{name}: speculative decoding parts from plain greedy at token {i} although "

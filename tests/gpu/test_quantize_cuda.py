@@ -12,9 +12,10 @@ from support import FIXTURES, relerr
 TEXT = FIXTURES / "text_tied"
 # Statistic -> tolerance (relerr, CUDA against CPU). The activations themselves differ by the BF16 drift of
 # the CUDA engine against the CPU's fp32; a channel's maximum over the tokens picks out one token's
-# drift (single channels 5-12% apart on the H200, relerr 0.032 over 48 tokens, 0.040 over 2,003),
-# while the means and the second moment average it out.
-STAT_TOL = {"abs_max": 6e-2, "abs_mean": 3e-2, "square_mean": 3e-2, "second_moment": 3e-2}
+# drift (single channels 5-12% apart on the H200, relerr 0.032 over 48 tokens, 0.040 over 2,003);
+# the squares weigh the largest values most (square_mean relerr 0.035 over 48 tokens and
+# second_moment 0.036 over 2,003 on the H100), the plain mean least.
+STAT_TOL = {"abs_max": 6e-2, "abs_mean": 3e-2, "square_mean": 5e-2, "second_moment": 5e-2}
 
 
 def ids(n=40, seed=3):
