@@ -47,15 +47,18 @@ python3 -c "import ocria_rt, json; print(json.dumps(ocria_rt.build_info()))"
 
 status=0
 if has_step tests; then
-  # One line per test as it ends (-v), so that a run stopped at a time limit still names its failures:
-  # tests.log keeps everything but the passes, tests-failed.txt the failures and errors.
+  # One line per test as it ends (-v), so that a run stopped at a time limit still names what ended:
+  # tests.log keeps everything but the passes, tests-failed.txt the failures and errors, tests-passed.txt
+  # the passes.
   # TEST_SECONDS: pytest is interrupted (SIGINT) then, and still prints the tracebacks of the failures
   # so far, which a limit on the whole call would cut off.
   ${TEST_SECONDS:+timeout -s INT -k 30 "$TEST_SECONDS"} python3 -m pytest -v -rfEs -p no:benchmark \
     ${TEST_WORKERS:+-n "$TEST_WORKERS"} ${TEST_ARGS:-tests} \
-    ${TEST_K:+-k "$TEST_K"} 2>&1 | grep --line-buffered -v " PASSED" | tee "$OUT_DIR/tests.log" | tail -25
+    ${TEST_K:+-k "$TEST_K"} 2>&1 | tee "$OUT_DIR/tests-all.log" | grep --line-buffered -v " PASSED" | tee "$OUT_DIR/tests.log" | tail -25
   status=${PIPESTATUS[0]}
   grep -E "(FAILED|ERROR)( |$)" "$OUT_DIR/tests.log" | sort -u > "$OUT_DIR/tests-failed.txt"
+  grep -oE "PASSED [^ ]+" "$OUT_DIR/tests-all.log" | cut -d" " -f2 | sort -u > "$OUT_DIR/tests-passed.txt"
+  rm -f "$OUT_DIR/tests-all.log"
 fi
 if has_step kernels && [ -f bench/kernels.py ]; then
   python3 bench/kernels.py "$OUT_DIR/kernels.json" ${KERNELS_ARGS:-} 2>&1 | tee "$OUT_DIR/kernels.log" | tail -40

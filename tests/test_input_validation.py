@@ -39,7 +39,15 @@ def set_key(doc: dict, path: str, value) -> None:
         doc[last] = value
 
 
-DELETE = object()
+class _Delete:
+    """The value that removes a key (its repr names the test case the same in every process, as
+    pytest-xdist requires)."""
+
+    def __repr__(self) -> str:
+        return "DELETE"
+
+
+DELETE = _Delete()
 
 
 def edited_config(src: Path, tmp_path: Path, path: str, value, name: str = "config.json") -> Path:

@@ -789,3 +789,22 @@ def test_cli_quantize(tmp_path, capsys):
     assert "layers.0.mlp.gate|up" in out.out and "total" in out.out and "FP8 checkpoint written" in out.err
     assert cli.main(["quantize", str(TEXT), str(tmp_path / "q"), "--recipe", "fp8"]) == 2  # not empty
     assert "exists and is not empty" in capsys.readouterr().err
+
+
+def test_progress_in_a_log(monkeypatch):
+    """Writing to a log (not a terminal), the progress gives a line when a stage ends and, in a long
+    stage, one at most every LOG_SECONDS before that, so that a run's log shows where it is."""
+    import io
+
+    from ocria_rt.quantization import _Progress
+
+    clock = iter([0.0, 0.0, 0.0, 10.0, 31.0, 40.0, 70.0])  # construction, start, its bar, 4 ticks
+    monkeypatch.setattr("ocria_rt.quantization.time.perf_counter", lambda: next(clock))
+    out = io.StringIO()
+    bar = _Progress("always", out)
+    bar.start("sensitivity", 4)
+    for _ in range(4):
+        bar.tick()
+    lines = out.getvalue().splitlines()
+    assert [ln.split("] ")[1].split(" (")[0] for ln in lines] == ["2/4", "4/4"], lines
+    assert all(ln.startswith("ocria-rt quantize: sensitivity") for ln in lines)

@@ -79,16 +79,21 @@ class _Seconds:
 
 
 class _Progress:
-    """One line on stderr per stage: "quantize: calibration 12/24 (3.1 s)"."""
+    """A bar on stderr per stage: "quantize: calibration 12/24 (3.1 s)", redrawn in place on a terminal;
+    elsewhere (a log) a line when the stage ends and at most one every LOG_SECONDS before that."""
+
+    LOG_SECONDS = 30.0
 
     def __init__(self, mode: bool | str, stream: IO[str] | None = None) -> None:
         self.stream = stream if stream is not None else sys.stderr
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.enabled = mode == "always" or (mode is True and self.tty)
         self.stage, self.total, self.done, self.t0 = "", 0, 0, time.perf_counter()
+        self.logged = self.t0
 
     def start(self, stage: str, total: int) -> None:
-        self.stage, self.total, self.done, self.t0 = stage, total, 0, time.perf_counter()
+        self.stage, self.total, self.done = stage, total, 0
+        self.t0 = self.logged = time.perf_counter()
         self._show()
 
     def tick(self) -> None:
@@ -100,13 +105,15 @@ class _Progress:
             return
         width = 24
         filled = width * self.done // max(self.total, 1)
+        now = time.perf_counter()
         line = (f"ocria-rt quantize: {self.stage:<22} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total}"
-                f" ({time.perf_counter() - self.t0:.1f} s)")
+                f" ({now - self.t0:.1f} s)")
         end = self.done >= self.total
         if self.tty:
             self.stream.write("\r" + line + "\x1b[K" + ("\n" if end else ""))
-        elif end:
+        elif end or now - self.logged >= self.LOG_SECONDS:
             self.stream.write(line + "\n")
+            self.logged = now
         self.stream.flush()
 
 
