@@ -117,3 +117,17 @@ def test_engine_uses_the_model_directorys_drafter_by_default(tmp_path) -> None:
     assert off.drafter_dir is None and off.generate(prompt, 24, stop_token_ids=[]).acceptance_lengths == []
     with pytest.raises(ocria_rt.OcriaError, match="drafter must be a directory"):
         ocria_rt.Engine(model, num_threads=1, drafter=True)
+    # the CLI: the model's own drafter by default, none with --no-drafter (not with --drafter as well)
+    from contextlib import redirect_stdout
+    from io import StringIO
+
+    from ocria_rt import cli
+
+    for extra, speculative in (([], True), (["--no-drafter"], False)):
+        out = StringIO()
+        with redirect_stdout(out):
+            assert cli.main(["generate", "--model", str(model), "--prompt", "Read the page.", "--max-new-tokens", "12",
+                             "--ignore-eos", "--json", "--threads", "1", *extra]) == 0
+        assert bool(json.loads(out.getvalue())["acceptance_lengths"]) == speculative
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--model", str(model), "--prompt", "x", "--drafter", str(model / "drafter"), "--no-drafter"])

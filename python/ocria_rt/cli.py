@@ -10,14 +10,26 @@ from pathlib import Path
 from .errors import OcriaError
 
 DRAFTER_HELP = ("speculative decoding with this DFlash / DFlash2 drafter directory (z-lab's format), trained for "
-                "the model: the same output, fewer target passes when its drafts are accepted (CPU only for now)")
+                "the model: the same output (on CUDA up to BF16 near ties), fewer target passes when its drafts are "
+                "accepted; default: the model directory's own drafter/, if any")
+
+
+def _add_drafter_args(p: argparse.ArgumentParser) -> None:
+    d = p.add_mutually_exclusive_group()
+    d.add_argument("--drafter", default=None, metavar="DIR", help=DRAFTER_HELP)
+    d.add_argument("--no-drafter", action="store_true", help="no speculative decoding, not even with the model's own drafter/")
+
+
+def _drafter(args: argparse.Namespace) -> str | bool | None:
+    """Engine's drafter argument: the directory asked for, False (--no-drafter) or None (the model's own)."""
+    return False if args.no_drafter else args.drafter
 
 
 def _generate(args: argparse.Namespace) -> int:
     from . import Engine
 
     eng = Engine(args.model, device=args.device, max_context=args.max_context, num_threads=args.threads,
-                 drafter=args.drafter)
+                 drafter=_drafter(args))
     stops: list[int] | None = [] if args.ignore_eos else None
     prompt = args.prompt
     if eng.tokenizer is None:
@@ -110,11 +122,11 @@ def _parse(args: argparse.Namespace) -> int:
     inputs = [str(sample_document())] if args.sample else args.inputs
 
     engine = args.model  # a directory (or None: the default VLM), loaded by parse() once the inputs check out
-    if args.threads or args.drafter:
+    if args.threads or args.drafter or args.no_drafter:
         from . import Engine, default_model_dir
 
         engine = Engine(args.model or default_model_dir(), device=args.device, num_threads=args.threads,
-                        drafter=args.drafter)
+                        drafter=_drafter(args))
     doc = parse(
         inputs,
         engine=engine,
@@ -249,7 +261,7 @@ def _eval(args: argparse.Namespace) -> int:
     if overrides:
         cfg = with_overrides(cfg, **{k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()})
         source += ", " + ", ".join(f"{k} {v}" for k, v in overrides.items())
-    eng = Engine(model_dir, device=args.device, num_threads=args.threads, drafter=args.drafter)
+    eng = Engine(model_dir, device=args.device, num_threads=args.threads, drafter=_drafter(args))
     if not eng.config.get("has_vision"):
         raise InvalidArgumentError(f"model '{eng.model_dir}' has no vision encoder: eval needs a VLM")
     if args.compare_plain and eng.drafter_dir is None:
@@ -336,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     g.add_argument("--stream", action="store_true", help="print tokens as they come")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    g.add_argument("--drafter", default=None, metavar="DIR", help=DRAFTER_HELP)
+    _add_drafter_args(g)
     g.set_defaults(func=_generate)
 
     pa = sub.add_parser(
@@ -359,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     pa.add_argument("--dpi", type=float, default=None, help="render PDFs at this resolution (default: longer side = --target-long-side)")
     pa.add_argument("--target-long-side", type=int, default=1288, help="PDF pages: pixels of the longer side (default 1288)")
     pa.add_argument("--threads", type=int, default=0, help="CPU threads (0: all cores)")
-    pa.add_argument("--drafter", default=None, metavar="DIR", help=DRAFTER_HELP)
+    _add_drafter_args(pa)
     prog = pa.add_mutually_exclusive_group()
     prog.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     prog.add_argument("--progress", action="store_true", help="a progress line on stderr even when it is not a terminal")
@@ -386,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--max-chars", type=int, default=None,
                    help="Markdown characters per page at most (default: as --long-side, else no limit)")
     e.add_argument("--threads", type=int, default=0, help="CPU threads (0: all cores)")
-    e.add_argument("--drafter", default=None, metavar="DIR", help=DRAFTER_HELP)
+    _add_drafter_args(e)
     e.add_argument("--compare-plain", action="store_true",
                    help="with a drafter: generate each page again without it and report both decode speeds "
                         "and how many pages came out token-identical")

@@ -55,9 +55,10 @@ class Engine:
     >>> eng.chat([{"role": "user", "content": [{"type": "image", "image": "page.png"}]}]).text
 
     drafter: a DFlash / DFlash2 drafter directory (z-lab's format) trained for this model: generation
-    then drafts blocks and verifies them with the model (speculative decoding; CPU only for now), with
-    the same tokens (greedy) or the same distribution (sampling) as without it. None: the model
-    directory's own `drafter/` subdirectory when it has one (and the device is the CPU); False: none.
+    then drafts blocks and verifies them with the model (speculative decoding), with the same tokens
+    (greedy; on CUDA up to near ties of the two best logits, which BF16 rounding can order differently
+    in a verify step and a decode step) or the same distribution (sampling) as without it. None: the
+    model directory's own `drafter/` subdirectory when it has one; False: none.
     """
 
     def __init__(
@@ -87,7 +88,7 @@ class Engine:
         from . import default_model_dir
 
         self.model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
-        if drafter is None and device == "cpu" and (self.model_dir / "drafter" / "config.json").is_file():
+        if drafter is None and (self.model_dir / "drafter" / "config.json").is_file():
             drafter = self.model_dir / "drafter"
         elif drafter is False:
             drafter = None

@@ -207,3 +207,20 @@ def test_sampling_is_lossless(name, forced):
     assert chi2_pvalue(counts, exact) > 1e-3
     if forced:
         assert 2 in accepted and 1 in accepted
+
+
+def test_engine_uses_the_model_directorys_drafter_by_default(tmp_path):
+    """On CUDA as on the CPU, a model directory's own drafter/ is loaded unless drafter=False."""
+    import shutil
+
+    from support import TINY_VLM
+
+    model = tmp_path / "tiny-vlm"
+    shutil.copytree(TINY_VLM, model)
+    shutil.copytree(DRAFTERS / "trained_tiny_vlm", model / "drafter")
+    eng = ocria_rt.Engine(model, device=DEVICE)
+    assert eng.drafter_dir == model / "drafter" and eng.stats()["draft_block_size"] > 1
+    res = eng.generate([1, 2, 3, 4, 5], 20, stop_token_ids=[])
+    assert res.acceptance_lengths and sum(res.acceptance_lengths) == 19
+    off = ocria_rt.Engine(model, device=DEVICE, drafter=False)
+    assert off.drafter_dir is None and off.generate([1, 2, 3, 4, 5], 20, stop_token_ids=[]).acceptance_lengths == []
