@@ -17,7 +17,9 @@
   the copy bandwidth on the bytes they must move (the quantized weight with its scales, x, out), and
   prefill at M = 8192 in TFLOP/s beside the BF16 GEMM of the same run;
 - Gated DeltaNet recurrence per layer at T = 1 and 16, against the time to read and write the fp32
-  state once, and a speculative block's gdn_verify + gdn_commit (T = 16, all kept) against 8 us; GDN prefill (the chunked kernels) at T = 1k / 4k / 8k beside the token-serial
+  state once, and a speculative block's gdn_verify + gdn_commit (T = 16, all kept) against 8 us and
+  flash-linear-attention's fused_recurrent_gated_delta_rule over the same 16 tokens (a state to the
+  next, no rollback; with the prefill rows); GDN prefill (the chunked kernels) at T = 1k / 4k / 8k beside the token-serial
   recurrence and flash-linear-attention's chunk_gated_delta_rule (when fla and torch import);
 - attention decode (T = 1) and a speculative verify block (T = 16) at 1k / 8k / 32k context, against
   reading the KV cache once, and the whole step (attention_decode: q / k norms, RoPE, cache write,
@@ -151,16 +153,17 @@ def torch_sdpa_tflops(T: int, reps: int) -> float | None:
     return causal_attention_flops(T) / med(times) / 1e12
 
 
-def fla_gdn_us(T: int, reps: int) -> float | None:
-    """flash-linear-attention's chunk_gated_delta_rule on one 4B GDN layer of T tokens (q, k given
-    at the value heads, the gates precomputed, q / k L2-normalised inside, from an initial state to a
-    final one): median microseconds per call, CUDA events around the Python call. None without
-    torch / fla."""
+def fla_gdn_us(T: int, reps: int, form: str = "chunk") -> float | None:
+    """flash-linear-attention's chunk_gated_delta_rule (form "chunk") or fused_recurrent_gated_delta_rule
+    ("fused_recurrent") on one 4B GDN layer of T tokens (q, k given at the value heads, the gates
+    precomputed, q / k L2-normalised inside, from an initial state to a final one): median
+    microseconds per call, CUDA events around the Python call. None without torch / fla."""
     try:
         import torch
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        from fla.ops import gated_delta_rule as fla_gdr
     except Exception:  # noqa: BLE001 - not installed
         return None
+    kernel = getattr(fla_gdr, f"{form}_gated_delta_rule")
     dev, bf = "cuda", torch.bfloat16
     q = torch.randn(1, T, HV, DK, device=dev, dtype=bf)
     k = torch.randn(1, T, HV, DK, device=dev, dtype=bf)
@@ -169,10 +172,10 @@ def fla_gdn_us(T: int, reps: int) -> float | None:
     beta = torch.rand(1, T, HV, device=dev, dtype=bf)
     h0 = torch.randn(1, HV, DK, DV, device=dev, dtype=torch.float32) * 0.05
     try:
-        times = cuda_times(lambda: chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=h0,
-                                                          output_final_state=True, use_qk_l2norm_in_kernel=True), reps)
+        times = cuda_times(lambda: kernel(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True,
+                                          use_qk_l2norm_in_kernel=True), reps)
     except Exception as e:  # noqa: BLE001 - an fla version with another signature
-        print(f"fla chunk_gated_delta_rule failed: {e}", flush=True)
+        print(f"fla {form}_gated_delta_rule failed: {e}", flush=True)
         return None
     return med(times) * 1e6
 
@@ -380,18 +383,22 @@ def main() -> None:
     parts = {part: med(kb.gdn_verify_commit(16, HK, HV, DK, DV, 16, part=part, iters=50, reps=args.reps))
              for part in ("verify", "commit", "both")}
     spec_floor_us = 1.5 * floor_us
+    # the peer: fla's fused recurrent kernel over the same 16 tokens, from a state to the next (what a
+    # verify that writes every token's state would cost; no rollback)
+    fla16 = None if args.skip_prefill else fla_gdn_us(16, args.reps, "fused_recurrent")
     r = {"op": "gdn_verify + gdn_commit", "T": 16, "us per layer": round(parts["both"], 2),
          "us per token": round(parts["both"] / 16, 3), "state r+w floor us": round(spec_floor_us, 2),
-         "verify us": round(parts["verify"], 2), "commit us (keep 16)": round(parts["commit"], 2)}
+         "verify us": round(parts["verify"], 2), "commit us (keep 16)": round(parts["commit"], 2),
+         "fla fused recurrent us": round(fla16, 2) if fla16 else "n/a"}
     rows.append(r)
-    results["gdn"].append(r)
+    results["gdn"].append({**r, "fla_fused_recurrent_us": fla16})
     summary.append({"kernel": "gdn_verify + gdn_commit (speculative block)", "case": f"T=16 HV={HV} dk=dv={DK}",
                     "time": f"{parts['both']:.1f} us", "achieved": f"verify {parts['verify']:.1f} + commit "
-                    f"{parts['commit']:.1f} us", "reference": "8 us (the published target)",
-                    "ratio": f"{8.0 / parts['both']:.0%}"})
+                    f"{parts['commit']:.1f} us" + (f"; fla fused recurrent {fla16:.1f} us" if fla16 else ""),
+                    "reference": "8 us (the published target)", "ratio": f"{8.0 / parts['both']:.0%}"})
     print("\n## Gated DeltaNet recurrence (one layer)\n")
     print(markdown_table(rows, ["op", "T", "us per layer", "us per token", "state r+w floor us", "three ops us",
-                                "verify us", "commit us (keep 16)"]))
+                                "verify us", "commit us (keep 16)", "fla fused recurrent us"]))
 
     # ---- Gated DeltaNet prefill: chunked kernels vs the token-serial recurrence and fla ----
     if not args.skip_prefill:
