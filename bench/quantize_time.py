@@ -3,6 +3,7 @@
     python bench/quantize_time.py OUT.json [--shape ocria1-4b|tiny] [--layers N] [--vocab V]
                                            [--vision-depth D] [--pages 64] [--device cuda] [--threads 0]
                                            [--recipe mixed] [--method awq|gptq|rtn] [--workdir DIR]
+                                           [--host-groups]
 
 Writes a random BF16 checkpoint of the shape (numpy only, no torch: the decoder of bench/common.py's
 SHAPES with the OCRia-1 vision encoder, the tokenizer and chat template of the package's tiny-vlm),
@@ -13,6 +14,7 @@ cut the shape (for profiling a part of it on a small machine); a cut to fewer th
 attention layer last. The JSON goes to OUT.json; the Markdown table comes last.
 
 The issue's figure: `python bench/quantize_time.py OUT.json --device cuda` (the whole 4B shape, 64 pages).
+`--host-groups` times only the host's share of the sensitivity stage (host_groups), no engine needed.
 """
 
 from __future__ import annotations
@@ -152,6 +154,48 @@ def stage_rows(seconds: dict[str, float]) -> list[dict]:
     return rows
 
 
+LM_HEAD_SLICE = 16384  # rows of the LM head quantized in --host-groups (its time scaled to the vocabulary)
+
+
+def host_groups(text: dict, method: str, threads: int) -> list[dict]:
+    """The sensitivity stage's host work without the engine: one projection group of each kind of the
+    shape quantized in FP8 and in NVFP4 (awq.quantize_group), random weights and the statistics of a
+    random input whose channels have spread-out scales; seconds each and times the groups of the model
+    (the LM head from a slice of LM_HEAD_SLICE rows, scaled to the vocabulary)."""
+    from ocria_rt.quantization.awq import quantize_group
+
+    H, I, hd = text["hidden_size"], text["intermediate_size"], text["head_dim"]
+    q, kv = text["num_attention_heads"] * hd, text["num_key_value_heads"] * hd
+    kdim = text["linear_num_key_heads"] * text["linear_key_head_dim"]
+    vdim = text["linear_num_value_heads"] * text["linear_value_head_dim"]
+    types = layer_types(text["num_hidden_layers"])
+    n_gdn, n_attn = types.count("linear_attention"), types.count("full_attention")
+    vocab_rows = min(LM_HEAD_SLICE, text["vocab_size"])
+    kinds = [("DeltaNet in_proj (qkv | z)", [2 * kdim + vdim, vdim], H, n_gdn),
+             ("DeltaNet out_proj", [H], vdim, n_gdn),
+             ("attention q | k | v", [2 * q, kv, kv], H, n_attn),
+             ("attention o_proj", [H], q, n_attn),
+             ("MLP gate | up", [I, I], H, len(types)),
+             ("MLP down", [H], I, len(types)),
+             ("LM head", [vocab_rows], H, text["vocab_size"] / vocab_rows)]
+    rng = np.random.default_rng(0)
+    rows = []
+    for name, part_rows, K, count in kinds:
+        x = rng.standard_normal((2048, K), dtype=np.float32) * rng.gamma(1.0, 1.0, K).astype(np.float32)
+        stats = dict(abs_max=np.abs(x).max(0), abs_mean=np.abs(x).mean(0), square_mean=(x * x).mean(0),
+                     second_moment=(x.T @ x) / len(x))
+        parts = [rng.standard_normal((r, K), dtype=np.float32) * np.float32(K**-0.5) for r in part_rows]
+        sec = {}
+        for fmt in ("fp8", "nvfp4"):
+            t0 = time.perf_counter()
+            quantize_group(parts, fmt, stats, method, None, threads)
+            sec[fmt] = time.perf_counter() - t0
+        rows.append({"group": name, "shape": f"{sum(part_rows)} x {K}", "groups in the model": round(count, 2),
+                     "fp8 s": round(sec["fp8"], 4), "nvfp4 s": round(sec["nvfp4"], 4),
+                     "model s": round(count * (sec["fp8"] + sec["nvfp4"]), 2)})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path, help="the JSON result")
@@ -165,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--threads", type=int, default=0, help="engine threads (0: all cores)")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/ocria-bench"))
+    ap.add_argument("--host-groups", action="store_true",
+                    help="only the host's quantization of one group of each kind (no checkpoint, no engine): host_groups()")
     args = ap.parse_args(argv)
 
     import ocria_rt
@@ -178,6 +224,17 @@ def main(argv: list[str] | None = None) -> int:
         text["vocab_size"] = args.vocab
     if args.vision_depth:
         vision["depth"] = args.vision_depth
+    if args.host_groups:
+        rows = host_groups(text, args.method, args.threads)
+        total = sum(r["model s"] for r in rows)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"shape": args.shape, "text_config": text, "method": args.method,
+                                        "threads": args.threads, "cpu_count": os.cpu_count(), "groups": rows,
+                                        "model_seconds": round(total, 1)}, indent=1) + "\n")
+        print(f"{args.shape}: the host's quantization of every projection group in FP8 and NVFP4 ({args.method}, "
+              f"{args.threads or os.cpu_count()} threads): {total / 60:.1f} min")
+        print(markdown_table(rows, ["group", "shape", "groups in the model", "fp8 s", "nvfp4 s", "model s"]))
+        return 0
     tag = f"{args.shape}-l{text['num_hidden_layers']}-v{text['vocab_size']}-d{vision['depth']}"
     t0 = time.perf_counter()
     model_dir = write_random_checkpoint(args.workdir / f"quantize-{tag}", text, vision, threads=args.threads)

@@ -37,6 +37,19 @@ def test_quantize_time_tiny(tmp_path, capsys):
     assert table[1] == "|---|---|---|" and any(line.startswith("|   kl |") for line in table)
 
 
+def test_quantize_time_host_groups(tmp_path, capsys):
+    """--host-groups: one group of each kind of the tiny shape in both formats, counted over its layers."""
+    out = tmp_path / "groups.json"
+    assert quantize_time.main([str(out), "--shape", "tiny", "--host-groups", "--threads", "1"]) == 0
+    r = json.loads(out.read_text())
+    kinds = {g["group"]: g for g in r["groups"]}
+    assert len(kinds) == 7 and kinds["MLP gate | up"]["shape"] == "512 x 128"  # TINY: intermediate 256
+    assert kinds["DeltaNet in_proj (qkv | z)"]["groups in the model"] == 3 and kinds["attention o_proj"]["groups in the model"] == 1
+    assert all(g["fp8 s"] > 0 and g["nvfp4 s"] > 0 for g in r["groups"])
+    assert r["model_seconds"] == pytest.approx(sum(g["model s"] for g in r["groups"]), abs=0.5)
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("| LM head |")
+
+
 def test_random_checkpoint_layout(monkeypatch):
     """The 4B shape cut to 2 layers keeps a DeltaNet and an attention layer of the real shapes, and the
     OCRia-1 vision tower; weights are drawn as bench/common.py draws them (norms zero, matrices 1/sqrt(fan_in))."""
