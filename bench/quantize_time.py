@@ -171,11 +171,11 @@ def host_groups(text: dict, method: str, threads: int) -> list[dict]:
     types = layer_types(text["num_hidden_layers"])
     n_gdn, n_attn = types.count("linear_attention"), types.count("full_attention")
     vocab_rows = min(LM_HEAD_SLICE, text["vocab_size"])
-    kinds = [("DeltaNet in_proj (qkv | z)", [2 * kdim + vdim, vdim], H, n_gdn),
+    kinds = [("DeltaNet in_proj (qkv, z)", [2 * kdim + vdim, vdim], H, n_gdn),
              ("DeltaNet out_proj", [H], vdim, n_gdn),
-             ("attention q | k | v", [2 * q, kv, kv], H, n_attn),
+             ("attention q, k, v", [2 * q, kv, kv], H, n_attn),
              ("attention o_proj", [H], q, n_attn),
-             ("MLP gate | up", [I, I], H, len(types)),
+             ("MLP gate, up", [I, I], H, len(types)),
              ("MLP down", [H], I, len(types)),
              ("LM head", [vocab_rows], H, text["vocab_size"] / vocab_rows)]
     rng = np.random.default_rng(0)

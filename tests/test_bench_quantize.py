@@ -43,8 +43,8 @@ def test_quantize_time_host_groups(tmp_path, capsys):
     assert quantize_time.main([str(out), "--shape", "tiny", "--host-groups", "--threads", "1"]) == 0
     r = json.loads(out.read_text())
     kinds = {g["group"]: g for g in r["groups"]}
-    assert len(kinds) == 7 and kinds["MLP gate | up"]["shape"] == "512 x 128"  # TINY: intermediate 256
-    assert kinds["DeltaNet in_proj (qkv | z)"]["groups in the model"] == 3 and kinds["attention o_proj"]["groups in the model"] == 1
+    assert len(kinds) == 7 and kinds["MLP gate, up"]["shape"] == "512 x 128"  # TINY: intermediate 256
+    assert kinds["DeltaNet in_proj (qkv, z)"]["groups in the model"] == 3 and kinds["attention o_proj"]["groups in the model"] == 1
     assert all(g["fp8 s"] > 0 and g["nvfp4 s"] > 0 for g in r["groups"])
     assert r["model_seconds"] == pytest.approx(sum(g["model s"] for g in r["groups"]), abs=0.5)
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("| LM head |")
