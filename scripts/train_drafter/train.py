@@ -118,7 +118,7 @@ def losses(model: DFlash2Drafter, head: torch.Tensor, hidden, labels, gamma: flo
         hit = (cand.gather(-1, scores.argmax(-1, keepdim=True))[..., 0] == g) & valid
         accepted = hit.int().cumprod(-1).sum(-1).float()
         top1 = ((logits.argmax(-1) == g) & valid).sum() / valid.sum()
-    return ce, sel, {"top1": float(top1), "tau_tf": float(accepted.mean() + 1)}
+    return ce, sel, {"top1": top1, "tau_tf": accepted.mean() + 1}  # tensors: read when logged, no sync a step
 
 
 def main(argv=None) -> None:
@@ -213,7 +213,7 @@ def main(argv=None) -> None:
         tmp.replace(ckpt_path)
         model.save(args.out / "drafter")
 
-    acc: dict[str, float] = {}
+    acc: dict[str, torch.Tensor] = {}  # the logged means' sums, on the device until they are printed
     n_acc = 0
     by_time = args.steps == 0
     stop_at = math.inf if by_time else min(args.steps, step + args.run_steps) if args.run_steps else args.steps
@@ -232,11 +232,11 @@ def main(argv=None) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
-        for k, v in {"ce": ce.item(), "sel": sel.item(), **metrics}.items():
-            acc[k] = acc.get(k, 0.0) + v
+        for k, v in {"ce": ce, "sel": sel, **metrics}.items():
+            acc[k] = acc.get(k, 0.0) + v.detach()
         n_acc += 1
         if step % args.log_every == 0 or step == args.steps:
-            rec = {"step": step, "lr": lr, **{k: round(v / n_acc, 4) for k, v in acc.items()},
+            rec = {"step": step, "lr": lr, **{k: round(float(v) / n_acc, 4) for k, v in acc.items()},
                    "elapsed_s": round(time.perf_counter() - t0, 1)}
             log.write(json.dumps(rec) + "\n")
             log.flush()
