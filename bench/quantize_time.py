@@ -155,15 +155,15 @@ def stage_rows(seconds: dict[str, float]) -> list[dict]:
 
 
 LM_HEAD_SLICE = 16384  # rows of the LM head quantized in --host-groups (its time scaled to the vocabulary)
-SECOND_MOMENT_FEATURES = 4096  # the engine's LinearObserver::kMaxSecondMomentFeatures: wider inputs come without X^T X
 
 
 def host_groups(text: dict, method: str, threads: int) -> list[dict]:
     """The sensitivity stage's host work without the engine: one projection group of each kind of the
     shape quantized in FP8 and in NVFP4 (awq.quantize_group), random weights and the statistics of a
-    random input whose channels have spread-out scales (its second moment only up to
-    SECOND_MOMENT_FEATURES inputs, as the engine collects them); seconds each and times the groups of the model
+    random input whose channels have spread-out scales (its second moment only up to the engine's
+    MAX_SECOND_MOMENT_FEATURES inputs, as the engine collects them); seconds each and times the groups of the model
     (the LM head from a slice of LM_HEAD_SLICE rows, scaled to the vocabulary)."""
+    from ocria_rt import _core
     from ocria_rt.quantization.awq import quantize_group
 
     H, I, hd = text["hidden_size"], text["intermediate_size"], text["head_dim"]
@@ -185,7 +185,7 @@ def host_groups(text: dict, method: str, threads: int) -> list[dict]:
     for name, part_rows, K, count in kinds:
         x = rng.standard_normal((2048, K), dtype=np.float32) * rng.gamma(1.0, 1.0, K).astype(np.float32)
         stats = dict(abs_max=np.abs(x).max(0), abs_mean=np.abs(x).mean(0), square_mean=(x * x).mean(0),
-                     second_moment=(x.T @ x) / len(x) if K <= SECOND_MOMENT_FEATURES else None)
+                     second_moment=(x.T @ x) / len(x) if K <= _core.MAX_SECOND_MOMENT_FEATURES else None)
         parts = [rng.standard_normal((r, K), dtype=np.float32) * np.float32(K**-0.5) for r in part_rows]
         sec = {}
         for fmt in ("fp8", "nvfp4"):

@@ -147,6 +147,7 @@ PYBIND11_MODULE(_core, m) {
   m.def("version", &version);
   m.def("built_with_cuda", &built_with_cuda);
   m.def("cuda_device_count", &cuda_device_count);
+  m.attr("MAX_SECOND_MOMENT_FEATURES") = LinearInputStats::kMaxSecondMomentFeatures;
   m.def("load_config", [](const std::string& dir) { return config_to_dict(load_model_config(dir)); });
 
   py::class_<GenerationResult>(m, "GenerationResult")

@@ -22,7 +22,7 @@ void LinearObserver::start(bool second_moment) {
     slot_of_[s.weight] = i;
     Accumulator& a = acc_[i];
     const int64_t K = s.in_features;
-    const bool gram = second_moment && K <= kMaxSecondMomentFeatures;
+    const bool gram = second_moment && K <= LinearInputStats::kMaxSecondMomentFeatures;
     if (on_device_) {
       a.device_abs_max = device_arena_->alloc(DType::F32, {K});
       a.device_sums = device_arena_->alloc(DType::F32, {4, K});

@@ -25,9 +25,6 @@ class LinearObserver final : public Backend {
 
   // The projections whose inputs are observed (the model's slots; they must outlive the observer).
   void watch(const std::vector<LinearSlot>* slots) { slots_ = slots; }
-  // X^T X is kept for projections of at most this many inputs (K * K doubles each); wider ones get the
-  // per-channel statistics only.
-  static constexpr int64_t kMaxSecondMomentFeatures = 4096;
   // Starts collecting (earlier statistics are dropped); second_moment adds X^T X per projection.
   void start(bool second_moment);
   void stop() { active_ = false; }

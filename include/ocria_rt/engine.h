@@ -92,11 +92,14 @@ struct LinearGroupInfo {
 // Statistics of the inputs x [tokens, K] of one projection over the observed tokens, as its checkpoint
 // modules see them (times the (1 + w) of an RMSNorm that the engine folded into the weights).
 struct LinearInputStats {
+  // X^T X is kept for projections of at most this many inputs (K * K doubles each); wider ones get the
+  // per-channel statistics only.
+  static constexpr int64_t kMaxSecondMomentFeatures = 4096;
   int64_t tokens = 0;
   std::vector<float> abs_max;          // [K] max over tokens of |x[t, k]|
   std::vector<double> abs_mean;        // [K] mean of |x[t, k]|
   std::vector<double> square_mean;     // [K] mean of x[t, k]^2
-  std::vector<double> second_moment;   // [K, K] row-major X^T X / tokens; empty unless asked for (and K <= 4096)
+  std::vector<double> second_moment;   // [K, K] row-major X^T X / tokens; empty unless asked for (and K <= the max)
 };
 
 struct EngineStats {
@@ -172,7 +175,7 @@ class Engine {
   virtual std::vector<LinearGroupInfo> linear_groups() const = 0;
   // on: starts collecting LinearInputStats of every projection of linear_groups() over the tokens that
   // the following score() / generate() calls run, dropping earlier ones; second_moment adds X^T X
-  // (K * K doubles per projection of K <= 4096 inputs). off: stops. Needs EngineOptions::linear_observer.
+  // (LinearInputStats::kMaxSecondMomentFeatures). off: stops. Needs EngineOptions::linear_observer.
   virtual void observe_linear_inputs(bool on, bool second_moment = false) = 0;
   virtual std::vector<LinearInputStats> linear_input_stats() const = 0;  // in linear_groups() order
   // Replaces, in memory, the weight of the dense decoder module `module` (a name of linear_groups())
