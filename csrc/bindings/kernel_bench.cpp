@@ -53,6 +53,7 @@ class KernelBench {
         if (!fp8) w.block_scale = random_bytes({N, K / 16}, DType::F8E4M3, 0x0F, 0x30);
         w.row_scale = random({N}, DType::F32, 0.0f, 1.0f / std::sqrt(float(K)));
         if (input_scale) w.input_scale = random({K}, DType::F32, 0.1f, 1.0f);
+        be_->prepare_quantized_weight(w);
       }
     } else {
       throw Error(ErrorCode::kInvalidArgument, "KernelBench.linear: unknown weight format '" + fmt + "'");

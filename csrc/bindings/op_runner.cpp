@@ -75,6 +75,7 @@ class OpRunner {
       if (q.block_scale) lw.block_scale = upload_raw(*q.block_scale, DType::F8E4M3);
       lw.row_scale = upload(q.row_scale, DType::F32);
       if (q.input_scale) lw.input_scale = upload(*q.input_scale, DType::F32);
+      be_->prepare_quantized_weight(lw);
     } else {
       lw.weight = upload(w.cast<F32Array>(), wt());
     }

@@ -206,6 +206,7 @@ LinearWeight WeightLoader::quantized_projection(Format format, const std::vector
     w.input_scale = arena_.alloc(DType::F32, {in});
     be_.copy_from_host(w.input_scale, input_scale.data(), DType::F32);
   }
+  be_.prepare_quantized_weight(w);
   const int64_t bytes = int64_t(arena_.bytes_used() - bytes_before);
   (nvfp4 ? quantized_bytes_->nvfp4 : quantized_bytes_->fp8) += bytes;
   return w;

@@ -194,6 +194,12 @@ class Backend {
   // the loader puts (1 + w) into a quantized weight's input_scale instead (WeightLoader::projection).
   virtual void fold_norm_weight(const Tensor& w, const Tensor& norm_weight) = 0;
 
+  // A quantized weight's storage as this backend's linear ops read it: called once, after its tensors
+  // hold LinearWeight's layout and before any op reads them. The CUDA backend moves the bits of each
+  // NVFP4 word (8 elements) to where its decode GEMM unpacks them with fewest instructions (linear.cu,
+  // "NVFP4 device layout"). The CPU reads the checkpoint's layout: nothing to do.
+  virtual void prepare_quantized_weight(const LinearWeight& w) {}
+
   // out [T, N] = rms_norm(x, unit) · W^T (+ bias): an RMSNorm of x [T, K] with its weight folded into W.
   // `normed` [T, K] holds the normed rows where they are formed in memory first (this default; CUDA
   // above 16 tokens); the CUDA decode path scales each token's products by rsqrt(mean(x^2) + eps)

@@ -314,6 +314,7 @@ class CudaBackend final : public Backend {
   void linear_glu(const Tensor& x, const LinearWeight& w, const Tensor& scratch, const Tensor& act) override;
   void rms_norm(const Tensor& x, const Tensor& weight, const Tensor& out, float eps) override;
   void fold_norm_weight(const Tensor& w, const Tensor& norm_weight) override;
+  void prepare_quantized_weight(const LinearWeight& w) override;
   void rms_norm_linear(const Tensor& x, float eps, const LinearWeight& w, const Tensor& normed,
                        const Tensor& out) override;
   void rms_norm_linear_glu(const Tensor& x, float eps, const LinearWeight& w, const Tensor& normed,

@@ -117,13 +117,25 @@ __device__ __forceinline__ float add_squares(const uint4& v, float acc) {
 //    (row g) and a1 / a3 (row g + 8) words of one k16 mma step whose B words are x words 2i, 2i+1.
 //    e4m3 bits s.eeee.mmm placed at BF16 bits 15 and 4..10 read as e4m3 * 2^-120 (subnormals too),
 //    and one BF16 multiply by 2^120 makes them exact.
-//  - NVFP4: word i (K 8i .. 8i+7, nibble n at bits 4n..4n+3) gives the pairs (n, n + 4), n < 4: the
-//    sign moves to bit 15 / 31 and the 3 magnitude bits to BF16 bits 6..8 (exponent LSBs and top
-//    mantissa bit), which reads as e2m1 * 2^-126. One BF16 multiply by the block scale times 2^118
-//    (bf16x2, both halves) gives e2m1 * scale * 2^-8 exactly (at most 6 significant bits, normal),
-//    and the row scale applied to the fp32 sums carries the 2^8. x words are permuted with prmt into
-//    the same pairs (x_n, x_n+4). The piece's 32 K are the two 16-element scale blocks 2t and 2t + 1 of
-//    the chunk; a thread copies the aligned 4-byte word holding both into a second ring of 4-byte slots.
+//  - NVFP4: word i (K 8i .. 8i+7, in the device layout below) gives the pairs (2m, 2m + 1), m < 4, the
+//    pairs of the x words: each value's sign at BF16 bit 15 / 31 and its 3 magnitude bits at bits 6..8
+//    / 22..24 (exponent LSBs and top mantissa bit), which reads as e2m1 * 2^-126. One BF16 multiply by
+//    the block scale times 2^118 (bf16x2, both halves) gives e2m1 * scale * 2^-8 exactly (at most 6
+//    significant bits, normal), and the row scale applied to the fp32 sums carries the 2^8. The
+//    piece's 32 K are the two 16-element scale blocks 2t and 2t + 1 of the chunk; a thread copies the
+//    aligned 4-byte word holding both into a second ring of 4-byte slots.
+//
+// NVFP4 device layout (CudaBackend::prepare_quantized_weight rewrites the checkpoint's nibbles, element
+// j of a 32-bit word at bits 4j .. 4j+3, once at load): within each word, the bits of pair m are
+// placed where a few instructions move them to the target bits T = {6, 7, 8, 15, 22, 23, 24, 31}
+// (low element's magnitude bits 0-2 and sign, then the high element's):
+//    pair 0 at T itself                         p0 = q & T
+//    pair 1 at T rotated right by 10            p1 = rotl(q, 10) & T
+//    pair 2 at T rotated right by 13            p2 = rotl(q, 13) & T
+//    pair 3 in the 8 bits left, each placed 2, 7 or 12 bits below its target, where no two shifted
+//    copies of them meet:                       p3 = ((q & D) * (2^2 + 2^7 + 2^12)) & T
+// 8 integer instructions a word instead of 15 for the checkpoint's order, and the pairs come out in
+// x's own order (no permutation of x). kNvfp4Bit[j][b] is the bit of element j's code bit b.
 // row_scale multiplies a row's fp32 sums before the bias, input_scale multiplies x (loaded a stage
 // ahead) just before its products, rounded to BF16; NORM's sum of squares is of the x before it.
 enum class WFmt : int { kBf16 = 0, kFp8 = 1, kNvfp4 = 2 };
@@ -161,17 +173,21 @@ __device__ __forceinline__ void fp8_pairs(uint32_t q, uint32_t& lo, uint32_t& hi
   lo = bf16x2_mul(e4m3x2_raw(q, 0x9180u), kBf16x2Pow2_120);
   hi = bf16x2_mul(e4m3x2_raw(q, 0xB3A2u), kBf16x2Pow2_120);
 }
-// NVFP4 word q (8 nibbles) -> p[n] = the pair (nibble n, nibble n + 4) times `scale` (a bf16x2
+// NVFP4 device layout (see above): kNvfp4Bit[j][b] = the bit of word that holds bit b of element j's
+// e2m1 code (b = 0..2 the magnitude, 3 the sign).
+__host__ __device__ constexpr int kNvfp4Bit[8][4] = {{6, 7, 8, 15},   {22, 23, 24, 31}, {28, 29, 30, 5},
+                                                     {12, 13, 14, 21}, {25, 26, 27, 2},  {9, 10, 11, 18},
+                                                     {4, 0, 1, 3},     {20, 16, 17, 19}};
+constexpr uint32_t kNvfp4PairBits = 0x81C081C0u;  // T: bits 6-8, 15, 22-24, 31
+constexpr uint32_t kNvfp4Pair3Bits = 0x001B001Bu;  // pair 3's bits in the device layout
+constexpr uint32_t kNvfp4Pair3Shifts = (1u << 2) | (1u << 7) | (1u << 12);
+// NVFP4 word q (device layout) -> p[m] = the pair (element 2m, 2m + 1) times `scale` (a bf16x2
 // broadcast of the block scale times 2^118), i.e. e2m1 * block scale * 2^-8.
 __device__ __forceinline__ void nvfp4_pairs(uint32_t q, uint32_t scale, uint32_t (&p)[4]) {
-  p[0] = bf16x2_mul(((q << 12) & 0x80008000u) | ((q << 6) & 0x01C001C0u), scale);
-  p[1] = bf16x2_mul(((q << 8) & 0x80008000u) | ((q << 2) & 0x01C001C0u), scale);
-  p[2] = bf16x2_mul(((q << 4) & 0x80008000u) | ((q >> 2) & 0x01C001C0u), scale);
-  p[3] = bf16x2_mul((q & 0x80008000u) | ((q >> 6) & 0x01C001C0u), scale);
-}
-// x words (x0 x1 | x2 x3 | x4 x5 | x6 x7) -> the pairs (x0 x4 | x1 x5 | x2 x6 | x3 x7) of nvfp4_pairs.
-__device__ __forceinline__ uint4 nvfp4_x_order(const uint4& v) {
-  return make_uint4(prmt(v.x, v.z, 0x5410u), prmt(v.x, v.z, 0x7632u), prmt(v.y, v.w, 0x5410u), prmt(v.y, v.w, 0x7632u));
+  p[0] = bf16x2_mul(q & kNvfp4PairBits, scale);
+  p[1] = bf16x2_mul(__funnelshift_l(q, q, 10) & kNvfp4PairBits, scale);
+  p[2] = bf16x2_mul(__funnelshift_l(q, q, 13) & kNvfp4PairBits, scale);
+  p[3] = bf16x2_mul(((q & kNvfp4Pair3Bits) * kNvfp4Pair3Shifts) & kNvfp4PairBits, scale);
 }
 // A thread's two NVFP4 block scales from the 4-byte word holding them (bytes sel-chosen, see the
 // kernel) -> bf16x2 broadcasts of scale * 2^118: s0 for the piece's K 0..15, s1 for K 16..31.
@@ -489,7 +505,7 @@ __global__ void __launch_bounds__(WARPS * 32)
         for (int i = 0; i < XW; ++i) xv[u][j][i] = xnext[u][j][i];
     load_x(st + XD, xnext);
     const int it = PERSIST ? st % iters : st;
-    if constexpr (QUANT) {  // x as the products read it: its squares first, then input_scale, NVFP4's order
+    if constexpr (QUANT) {  // x as the products read it: its squares first, then input_scale
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int c = c_lo + warp + WARPS * (it * U + u);
@@ -507,12 +523,6 @@ __global__ void __launch_bounds__(WARPS * 32)
 #pragma unroll
             for (int j = 0; j < NT; ++j) xv[u][j][i] = scale_x(xv[u][j][i], s_in);
           }
-        }
-        if constexpr (F == WFmt::kNvfp4) {
-#pragma unroll
-          for (int j = 0; j < NT; ++j)
-#pragma unroll
-            for (int i = 0; i < XW; ++i) xv[u][j][i] = nvfp4_x_order(xv[u][j][i]);
         }
       }
     }
@@ -552,15 +562,15 @@ __global__ void __launch_bounds__(WARPS * 32)
           nvfp4_scales(sslot[(R * u + 2 * rt) * NTH], ssel, sa[0], sa[1]);
           nvfp4_scales(sslot[(R * u + 2 * rt + 1) * NTH], ssel, sb[0], sb[1]);
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {  // word i: K 8i .. 8i+7 of the piece, x piece i in pair order
+          for (int i = 0; i < 4; ++i) {  // word i: K 8i .. 8i+7 of the piece, x piece i
             uint32_t pa[4], pb[4];
             nvfp4_pairs(word(wa, i), sa[i / 2], pa);
             nvfp4_pairs(word(wb, i), sb[i / 2], pb);
 #pragma unroll
             for (int j = 0; j < NT; ++j) {
               const uint4& xp = xv[u][j][i];
-              mma_16816(acc[rt][j], pa[0], pb[0], pa[1], pb[1], xp.x, xp.y);  // K pairs (0, 4), (1, 5)
-              mma_16816(acc[rt][j], pa[2], pb[2], pa[3], pb[3], xp.z, xp.w);  // K pairs (2, 6), (3, 7)
+              mma_16816(acc[rt][j], pa[0], pb[0], pa[1], pb[1], xp.x, xp.y);  // K pairs (0, 1), (2, 3)
+              mma_16816(acc[rt][j], pa[2], pb[2], pa[3], pb[3], xp.z, xp.w);  // K pairs (4, 5), (6, 7)
             }
           }
         }
@@ -949,6 +959,8 @@ LinearArgs linear_args(const char* op, const Tensor& x, const LinearWeight& lw) 
                            bs.dim(1) == a.K / LinearWeight::kNvfp4Block,
                        op, "NVFP4 weight " + w.shape_str() + " needs K a multiple of 16 and block_scale [" +
                                std::to_string(a.N) + ", " + std::to_string(a.K / 16) + "], got " + bs.shape_str());
+      OCRIA_RT_REQUIRE(reinterpret_cast<uintptr_t>(a.w) % 4 == 0 && a.ldw % 4 == 0, op,
+                       "NVFP4 weight rows must be 4-byte aligned (the device layout is of 32-bit words)");
       a.qv.block_scale = bs.ptr<uint8_t>();
       a.qv.ldbs = bs.row_stride;
       piece = 64;  // 32 K a piece, and a scale word (4 blocks) never past a row's end
@@ -1019,9 +1031,13 @@ __global__ void dequantize_kernel(const uint8_t* __restrict__ w, int64_t ldw, WF
     float v;
     if (fmt == WFmt::kFp8) {
       v = e4m3_to_float(wr[k]);
-    } else {
-      const uint32_t byte = wr[k >> 1];
-      v = e2m1_to_float((k & 1) ? byte >> 4 : byte & 15u) * e4m3_to_float(qv.block_scale[n * qv.ldbs + k / 16]);
+    } else {  // the device layout: element k % 8 of the word k / 8
+      const uint32_t word = reinterpret_cast<const uint32_t*>(wr)[k >> 3];
+      const int j = k & 7;
+      uint32_t code = 0;
+#pragma unroll
+      for (int b = 0; b < 4; ++b) code |= ((word >> kNvfp4Bit[j][b]) & 1u) << b;
+      v = e2m1_to_float(code) * e4m3_to_float(qv.block_scale[n * qv.ldbs + k / 16]);
     }
     v *= rs;
     if (qv.input_scale) v *= qv.input_scale[k];
@@ -1092,8 +1108,39 @@ __global__ void fold_norm_weight_kernel(bf16* __restrict__ w, int64_t ldw, int64
   }
 }
 
+// Each 32-bit word of an NVFP4 weight (rows of ldw bytes, words_per_row words each) from the
+// checkpoint's nibble order (element j at bits 4j .. 4j+3) to the device layout (kNvfp4Bit).
+__global__ void nvfp4_device_layout_kernel(uint8_t* __restrict__ w, int64_t ldw, int64_t rows, int64_t words_per_row) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < rows * words_per_row;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    uint32_t* p = reinterpret_cast<uint32_t*>(w + (i / words_per_row) * ldw) + i % words_per_row;
+    const uint32_t q = *p;
+    uint32_t out = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int b = 0; b < 4; ++b) out |= ((q >> (4 * j + b)) & 1u) << kNvfp4Bit[j][b];
+    *p = out;
+  }
+}
+
 }  // namespace
 }  // namespace cuda
+
+void CudaBackend::prepare_quantized_weight(const LinearWeight& lw) {
+  using namespace cuda;
+  if (lw.format != LinearWeight::Format::kNvfp4) return;
+  const char* op = "prepare_quantized_weight";
+  const Tensor& w = lw.weight;
+  require_tensor(w, DType::U8, op, "weight");
+  OCRIA_RT_REQUIRE(w.ndim == 2 && w.dim(1) % 8 == 0 && reinterpret_cast<uintptr_t>(w.ptr<uint8_t>()) % 4 == 0 &&
+                       w.row_stride % 4 == 0,
+                   op, "an NVFP4 weight needs K a multiple of 16 and 4-byte aligned rows, got " + w.shape_str());
+  if (w.numel() == 0) return;
+  activate();
+  nvfp4_device_layout_kernel<<<1024, 256, 0, stream_>>>(w.ptr<uint8_t>(), w.row_stride, w.dim(0), w.dim(1) / 4);
+  check_launch("nvfp4_device_layout_kernel");
+}
 
 void CudaBackend::linear(const Tensor& x, const LinearWeight& lw, const Tensor& out) {
   using namespace cuda;
