@@ -400,11 +400,13 @@ def quant_weight(rng, fmt, N, K, input_scale=False, random_bytes=True):
 # persistent blocks (N = 12352, 18432), 16-warp blocks and clusters of 2 (N = 2560), odd N (a partial
 # last row tile), K with a partial last chunk (FP8 chunks are 64 wide: K = 208; NVFP4 128: K = 320,
 # 448), prefill sizes (17, 100: dequantized rows, then CUTLASS), and K that the skinny GEMM cannot take
-# (FP8 K % 16, NVFP4 K % 64, e.g. 208: dequantized rows and the tiled GEMM at M <= 16).
+# (FP8 K % 16, NVFP4 K % 64, e.g. 208: dequantized rows and the tiled GEMM at M <= 16); x staged in
+# shared memory up to M K = 9216 (1 x 9216, 4 x 2304), past it two token tiles (5 x 2560).
 QUANT_LINEAR_CASES = [
     (fmt, M, K, N) for fmt in ("fp8", "nvfp4") for M, K, N in [
         (1, 256, 96), (2, 512, 1001), (5, 2560, 2560), (16, 2560, 12352), (9, 4096, 2560), (1, 2560, 18432),
-        (16, 9216, 2560), (1, 320, 40), (3, 448, 33), (4, 208, 50), (17, 256, 136), (100, 512, 1000)]
+        (16, 9216, 2560), (1, 320, 40), (3, 448, 33), (4, 208, 50), (17, 256, 136), (100, 512, 1000),
+        (1, 9216, 2560), (4, 2304, 96)]
 ] + [("fp8", 3, 40, 24), ("fp8", 1, 72, 17), ("nvfp4", 2, 48, 24), ("nvfp4", 1, 96, 17)]
 
 

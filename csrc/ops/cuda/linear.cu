@@ -214,8 +214,13 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) { return i == 0 
 template <int WARPS, int U, int S, int RT, WFmt F> constexpr int skinny_ring_bytes() {
   return S * U * 2 * RT * WARPS * 32 * (F == WFmt::kNvfp4 ? 20 : 16);
 }
+// Quantized weights at up to 8 tokens stage x in shared memory once per block (skinny_stages_x): at
+// most kStagedXElems BF16 values, M rows of K (every 4B projection's K at one token).
+constexpr int kStagedXElems = 9216;
+template <WFmt F, int NT, int CS> constexpr bool skinny_stages_x() { return F != WFmt::kBf16 && NT == 1 && CS == 1; }
 template <int WARPS, int NT, int U, int S, int CS, int RT, WFmt F> constexpr int skinny_smem_bytes() {
-  return skinny_ring_bytes<WARPS, U, S, RT, F>() + (CS - 1) * 16 * 8 * NT * int(sizeof(float));
+  return skinny_ring_bytes<WARPS, U, S, RT, F>() + (CS - 1) * 16 * 8 * NT * int(sizeof(float)) +
+         (skinny_stages_x<F, NT, CS>() ? kStagedXElems * int(sizeof(bf16)) : 0);
 }
 // How many stages ahead of its use a thread loads x (into that many register sets). Its loads queue
 // behind the weight bytes the SM has in flight, (S - 1) stages of them, so one stage ahead is not
@@ -260,6 +265,11 @@ struct SplitKScratch {
 // 32 rows of W instead of once per 16 (at 16 tokens x is as many bytes as the W tile it multiplies).
 // Each thread then loads W rows g + 8 r, r < 4, and a stage holds U = 1 chunk of them (the same ring
 // bytes); the sums are those of two 16-row launches, in the same order, so the bits are the same.
+// XS (skinny_stages_x: quantized weights, one 8-token tile, no cluster): after the PDL wait the block
+// copies x [M, K] (M K <= kStagedXElems) into shared memory, times input_scale and rounded to BF16,
+// and NORM's sums of squares per token with it; the stages read their x pieces there. No global x
+// load waits in the stages (ncu: 15-26% of the quantized kernels' stall samples at one token), and
+// input_scale is applied once per block, not once per row tile.
 template <int WARPS, int NT, int U, int S, bool GLU, bool ADD, bool NORM, bool SPLIT, int CS, bool PERSIST, int RT,
           WFmt F, class OutT>
 __global__ void __launch_bounds__(WARPS * 32)
@@ -273,6 +283,7 @@ __global__ void __launch_bounds__(WARPS * 32)
   static_assert(RT == 1 || (RT == 2 && !SPLIT && CS == 1), "two row tiles per block only without split-K");
   static_assert(F == WFmt::kBf16 || !SPLIT, "quantized weights without split-K over the grid");
   constexpr bool QUANT = F != WFmt::kBf16;
+  constexpr bool XS = skinny_stages_x<F, NT, CS>();  // x staged in shared memory (the notes above the kernel)
   constexpr int KC = wfmt_k_per_chunk<F>(), PK = KC / 4, XW = PK / 8;  // K per chunk, per piece; x loads per piece
   pdl_launch_dependents();
   if constexpr (CS > 1) cluster_arrive_relaxed();  // "this block runs"; waited on before the remote stores
@@ -282,6 +293,8 @@ __global__ void __launch_bounds__(WARPS * 32)
   extern __shared__ __align__(128) uint4 wring[];  // [S][U][2 RT rows][NTH]: a thread's slots are column tid
   // NVFP4: the block-scale words, [S][U][2 RT rows][NTH] after the ring.
   uint32_t* const sring = reinterpret_cast<uint32_t*>(wring + S * U * 2 * RT * WARPS * 32);
+  // XS: x [M, K] after the ring(s), times input_scale, rounded to BF16 (16-byte pieces)
+  uint4* const xs = reinterpret_cast<uint4*>(sring + (F == WFmt::kNvfp4 ? S * U * 2 * RT * WARPS * 32 : 0));
   __shared__ float red[WARPS][NORM ? 17 : 16][16];  // [warp][W row | NORM: 16 = sum of squares][token]
   static_assert(sizeof(red) % 128 == 0, "the dynamic ring after `red` must stay 128-byte aligned");
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -401,7 +414,7 @@ __global__ void __launch_bounds__(WARPS * 32)
       red[warp][g][8 * j + 2 * t + 1] = acc[rt][j][1];
       red[warp][g + 8][8 * j + 2 * t] = acc[rt][j][2];
       red[warp][g + 8][8 * j + 2 * t + 1] = acc[rt][j][3];
-      if constexpr (NORM) {
+      if constexpr (NORM && !XS) {  // XS: the sums of squares are in `red` since x was staged
         float s = sq[j];
         s += __shfl_xor_sync(0xffffffffu, s, 1);
         s += __shfl_xor_sync(0xffffffffu, s, 2);
@@ -485,8 +498,38 @@ __global__ void __launch_bounds__(WARPS * 32)
     }
   };
   pdl_wait();  // earlier kernels have completed: x may be read, out written
+  if constexpr (XS) {
+    // x [M, K] into shared memory by all threads, each piece times input_scale; NORM: the sums of
+    // squares of x (before input_scale) per token, per warp into red[warp][16][token].
+    const int K8 = K / 8, pieces = M * K8;  // M * K <= kStagedXElems (visit_skinny)
+    float part[8] = {};
+#pragma unroll 4
+    for (int p = tid; p < pieces; p += NTH) {
+      const int m = p / K8, k = (p - m * K8) * 8;
+      uint4 v = __ldg(reinterpret_cast<const uint4*>(x + int64_t(m) * ldx + k));
+      if constexpr (NORM) {
+        const float sq_v = add_squares(v, 0.0f);
 #pragma unroll
-  for (int d = 0; d < XD; ++d) load_x(d, xq[d]);
+        for (int mm = 0; mm < 8; ++mm)
+          if (mm == m) part[mm] += sq_v;
+      }
+      if (qv.input_scale != nullptr) v = scale_x(v, qv.input_scale + k);
+      xs[p] = v;
+    }
+    if constexpr (NORM) {
+#pragma unroll
+      for (int mm = 0; mm < 8; ++mm) {
+        float v = part[mm];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (lane == 0) red[warp][16][mm] = v;
+      }
+    }
+    __syncthreads();
+  } else {
+#pragma unroll
+    for (int d = 0; d < XD; ++d) load_x(d, xq[d]);
+  }
   if constexpr (kResidualAhead) {
     if (tid < kTileElems && n0 + row < N && tok < M && int(blockIdx.x) % CS == 0)
       residual[0] = to_float(out[int64_t(tok) * ldo + n0 + row]);
@@ -497,15 +540,25 @@ __global__ void __launch_bounds__(WARPS * 32)
   }
   auto run_stage = [&](int st, uint4 (&xnext)[U][NT][XW]) {
     uint4 xv[U][NT][XW];  // this stage's x
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-#pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int i = 0; i < XW; ++i) xv[u][j][i] = xnext[u][j][i];
-    load_x(st + XD, xnext);
     const int it = PERSIST ? st % iters : st;
-    if constexpr (QUANT) {  // x as the products read it: its squares first, then input_scale
+    if constexpr (XS) {  // from shared memory, already scaled (NT = 1)
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int c = c_lo + warp + WARPS * (it * U + u);
+        const bool in = st < stages && piece_in(c);
+#pragma unroll
+        for (int i = 0; i < XW; ++i) xv[u][0][i] = in && tok_ok[0] ? xs[(g * K + c * KC + PK * t) / 8 + i] : zero;
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int i = 0; i < XW; ++i) xv[u][j][i] = xnext[u][j][i];
+      load_x(st + XD, xnext);
+    }
+    if constexpr (QUANT && !XS) {  // x as the products read it: its squares first, then input_scale
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int c = c_lo + warp + WARPS * (it * U + u);
@@ -701,8 +754,10 @@ struct SkinnyPlan {
 // Stages of the ring of a quantized weight (one chunk a stage: its x pieces are 2 or 4 times the
 // registers of a BF16 chunk's): about the BF16 ring's bytes, 64 KiB for 8 warps and 96 KiB for 16
 // (NVFP4 a stage fewer where its scale words would pass that by much), at least 3.
-template <int WARPS, int RT, WFmt F> constexpr int skinny_quant_stages() {
-  constexpr int per_thread = WARPS == 16 ? 192 : 256, row_bytes = 2 * RT * (F == WFmt::kNvfp4 ? 20 : 16);
+// Where x is staged (skinny_stages_x), its bytes come out of that budget.
+template <int WARPS, int RT, WFmt F, bool XS> constexpr int skinny_quant_stages() {
+  constexpr int per_thread = (WARPS == 16 ? 192 : 256) - (XS ? kStagedXElems * int(sizeof(bf16)) / (WARPS * 32) : 0);
+  constexpr int row_bytes = 2 * RT * (F == WFmt::kNvfp4 ? 20 : 16);
   constexpr int s = per_thread / row_bytes;
   return s < 3 ? 3 : s;
 }
@@ -716,7 +771,8 @@ struct SkinnyCfg {
   static constexpr WFmt F = F_;
   static constexpr int WARPS = WARPS_, NT = NT_, RT = RT_, CS = CS_;
   static constexpr int U = F == WFmt::kBf16 ? 2 / RT_ : 1;
-  static constexpr int S = F == WFmt::kBf16 ? (WARPS_ == 16 ? 3 : 4) : skinny_quant_stages<WARPS_, RT_, F_>();
+  static constexpr int S = F == WFmt::kBf16 ? (WARPS_ == 16 ? 3 : 4)
+                                             : skinny_quant_stages<WARPS_, RT_, F_, skinny_stages_x<F_, NT_, CS_>()>();
   static constexpr bool SPLIT = SPLIT_, PERSIST = PERSIST_;
   static constexpr int smem = skinny_smem_bytes<WARPS, NT, U, S, CS, RT, F>();
   template <class Epi, class OutT> static constexpr auto kernel() {
@@ -737,8 +793,9 @@ using EpiNormGlu = SkinnyEpi<true, false, true>;
 
 // Calls f(SkinnyCfg<...>{}) with the configuration of plan p for M tokens (one or two 8-token tiles).
 // Epi::NORM: only the configurations without split-K (the plan has none, skinny_plan's whole_k).
-// Quantized weights (Fmt): no split-K over the grid, clusters of 2 (run_skinny).
-template <class Epi, WFmt Fmt, class F> void visit_skinny(const SkinnyPlan& p, int M, F&& f) {
+// Quantized weights (Fmt): no split-K over the grid, clusters of 2 (run_skinny); one 8-token tile
+// stages x (skinny_stages_x) where its M rows of K fit, else two tiles read it from global memory.
+template <class Epi, WFmt Fmt, class F> void visit_skinny(const SkinnyPlan& p, int M, int K, F&& f) {
   auto by_m = [&](auto warps, auto split, auto cs, auto persist) {
     constexpr int W = decltype(warps)::value, C = decltype(cs)::value;
     constexpr bool SP = decltype(split)::value, PE = decltype(persist)::value;
@@ -749,7 +806,7 @@ template <class Epi, WFmt Fmt, class F> void visit_skinny(const SkinnyPlan& p, i
       }
       f(SkinnyCfg<W, T, SP, C, PE, 1, Fmt>{});
     };
-    if (M <= 8)
+    if (M <= 8 && !(skinny_stages_x<Fmt, 1, C>() && int64_t(M) * K > kStagedXElems))
       by_rt(std::integral_constant<int, 1>{});
     else
       by_rt(std::integral_constant<int, 2>{});
@@ -986,7 +1043,7 @@ void run_skinny(const LinearArgs& a, OutT* out, int64_t ldo, float norm_eps, con
                                            st.persistent, st.rows)
                              : skinny_plan(a.N, a.K, kc, a.M, Epi::GLU, st.sm_count, st.ksplit, st.cluster,
                                            st.persistent, st.rows);
-    visit_skinny<Epi, Fmt>(p, a.M, [&](auto cfg) {
+    visit_skinny<Epi, Fmt>(p, a.M, a.K, [&](auto cfg) {
       launch_skinny_cfg<decltype(cfg), Epi>(a.x, a.ldx, a.M, a.w, a.ldw, a.N, a.K, a.bias, a.has_bias, out, ldo, p,
                                             splitk_scratch(st.splitk_scratch), norm_eps, a.qv, st.prefetch_bytes,
                                             st.ctx, st.sm_count);
