@@ -61,6 +61,7 @@ class LinearObserver final : public Backend {
   void add(const Tensor& residual, const Tensor& delta) override { inner_->add(residual, delta); }
   void silu_mul(const Tensor& gate_up, const Tensor& out) override { inner_->silu_mul(gate_up, out); }
   void fold_norm_weight(const Tensor& w, const Tensor& norm_weight) override { inner_->fold_norm_weight(w, norm_weight); }
+  void prepare_quantized_weight(const LinearWeight& w) override { inner_->prepare_quantized_weight(w); }
   void attention_prepare(const Tensor& qkv, const Tensor& q_norm, const Tensor& k_norm, const Tensor& positions,
                          const Tensor& rope_positions, const AttentionParams& p, const Tensor& q_out,
                          const Tensor& k_cache, const Tensor& v_cache) override {

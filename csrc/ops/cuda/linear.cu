@@ -1016,7 +1016,7 @@ LinearArgs linear_args(const char* op, const Tensor& x, const LinearWeight& lw) 
                            bs.dim(1) == a.K / LinearWeight::kNvfp4Block,
                        op, "NVFP4 weight " + w.shape_str() + " needs K a multiple of 16 and block_scale [" +
                                std::to_string(a.N) + ", " + std::to_string(a.K / 16) + "], got " + bs.shape_str());
-      OCRIA_RT_REQUIRE(reinterpret_cast<uintptr_t>(a.w) % 4 == 0 && a.ldw % 4 == 0, op,
+      OCRIA_RT_REQUIRE(a.K == 0 || (reinterpret_cast<uintptr_t>(a.w) % 4 == 0 && a.ldw % 4 == 0), op,
                        "NVFP4 weight rows must be 4-byte aligned (the device layout is of 32-bit words)");
       a.qv.block_scale = bs.ptr<uint8_t>();
       a.qv.ldbs = bs.row_stride;
@@ -1190,10 +1190,10 @@ void CudaBackend::prepare_quantized_weight(const LinearWeight& lw) {
   const char* op = "prepare_quantized_weight";
   const Tensor& w = lw.weight;
   require_tensor(w, DType::U8, op, "weight");
-  OCRIA_RT_REQUIRE(w.ndim == 2 && w.dim(1) % 8 == 0 && reinterpret_cast<uintptr_t>(w.ptr<uint8_t>()) % 4 == 0 &&
-                       w.row_stride % 4 == 0,
-                   op, "an NVFP4 weight needs K a multiple of 16 and 4-byte aligned rows, got " + w.shape_str());
+  OCRIA_RT_REQUIRE(w.ndim == 2, op, "an NVFP4 weight is 2-D, got " + w.shape_str());
   if (w.numel() == 0) return;
+  OCRIA_RT_REQUIRE(w.dim(1) % 8 == 0 && reinterpret_cast<uintptr_t>(w.ptr<uint8_t>()) % 4 == 0 && w.row_stride % 4 == 0,
+                   op, "an NVFP4 weight needs K a multiple of 16 and 4-byte aligned rows, got " + w.shape_str());
   activate();
   nvfp4_device_layout_kernel<<<1024, 256, 0, stream_>>>(w.ptr<uint8_t>(), w.row_stride, w.dim(0), w.dim(1) / 4);
   check_launch("nvfp4_device_layout_kernel");
