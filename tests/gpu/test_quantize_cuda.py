@@ -15,10 +15,10 @@ TEXT = FIXTURES / "text_tied"
 # Deeper inputs differ by the BF16 drift of the CUDA engine's activations against the CPU's fp32
 # (DEEP_TOL): a channel's maximum over the tokens picks out one token's drift (relerr up to 0.104 over
 # 48 tokens on the H100, single channels 25% apart), the squares weigh the largest values most (up to
-# 0.055). Those bounds check that every slot observes its own input over every token; the input of
+# 0.055), the second moments' cross products more (0.107 over 48 tokens, 0.126 over 2,000). Those bounds check that every slot observes its own input over every token; the input of
 # another slot, or tokens missed, is far off.
 FIRST_TOL = 5e-3
-DEEP_TOL = {"abs_max": 0.25, "abs_mean": 0.1, "square_mean": 0.1, "second_moment": 0.1}
+DEEP_TOL = {"abs_max": 0.25, "abs_mean": 0.1, "square_mean": 0.1, "second_moment": 0.2}
 
 
 def check_stats(cpu_slots: list[dict], cuda_slots: list[dict], tokens: int) -> None:

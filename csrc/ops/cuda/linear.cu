@@ -214,13 +214,13 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) { return i == 0 
 template <int WARPS, int U, int S, int RT, WFmt F> constexpr int skinny_ring_bytes() {
   return S * U * 2 * RT * WARPS * 32 * (F == WFmt::kNvfp4 ? 20 : 16);
 }
-// Quantized weights at up to 8 tokens stage x in shared memory once per block (skinny_stages_x): at
-// most kStagedXElems BF16 values, M rows of K (every 4B projection's K at one token).
+// Quantized weights at up to 8 tokens may stage x in shared memory once per block (XS, where
+// skinny_can_stage_x): at most kStagedXElems BF16 values, M rows of K (every 4B projection's K at one token).
 constexpr int kStagedXElems = 9216;
-template <WFmt F, int NT, int CS> constexpr bool skinny_stages_x() { return F != WFmt::kBf16 && NT == 1 && CS == 1; }
-template <int WARPS, int NT, int U, int S, int CS, int RT, WFmt F> constexpr int skinny_smem_bytes() {
+template <WFmt F, int NT, int CS> constexpr bool skinny_can_stage_x() { return F != WFmt::kBf16 && NT == 1 && CS == 1; }
+template <int WARPS, int NT, int U, int S, int CS, int RT, WFmt F, bool XS> constexpr int skinny_smem_bytes() {
   return skinny_ring_bytes<WARPS, U, S, RT, F>() + (CS - 1) * 16 * 8 * NT * int(sizeof(float)) +
-         (skinny_stages_x<F, NT, CS>() ? kStagedXElems * int(sizeof(bf16)) : 0);
+         (XS ? kStagedXElems * int(sizeof(bf16)) : 0);
 }
 // How many stages ahead of its use a thread loads x (into that many register sets). Its loads queue
 // behind the weight bytes the SM has in flight, (S - 1) stages of them, so one stage ahead is not
@@ -248,7 +248,7 @@ struct SplitKScratch {
 // (bytes) % 16 == 0, x and w 16-byte aligned, NVFP4's block_scale 4-byte aligned with ldbs % 4 == 0,
 // input_scale (if any) 16-byte aligned, 1 <= M <= 8 * NT; pf_bytes a multiple of 16 with the
 // prologue's bytes + pf_bytes no larger than a block's bytes of a row (or 0). Dynamic shared memory:
-// skinny_smem_bytes<WARPS, NT, U, S, CS, RT, F>(). F: the weight format (the notes above).
+// skinny_smem_bytes<WARPS, NT, U, S, CS, RT, F, XS>(). F: the weight format (the notes above).
 // GLU: W is in the GLU layout (ops.h, kGluGroup = 8: rows 0-7 of each 16-row tile are gate rows,
 // rows 8-15 the matching up rows) and out [M, N / 2] receives silu(gate) * up, with gate and up
 // rounded to BF16 first as the separate silu_mul kernel would read them; N % 16 == 0.
@@ -265,13 +265,13 @@ struct SplitKScratch {
 // 32 rows of W instead of once per 16 (at 16 tokens x is as many bytes as the W tile it multiplies).
 // Each thread then loads W rows g + 8 r, r < 4, and a stage holds U = 1 chunk of them (the same ring
 // bytes); the sums are those of two 16-row launches, in the same order, so the bits are the same.
-// XS (skinny_stages_x: quantized weights, one 8-token tile, no cluster): after the PDL wait the block
+// XS (skinny_can_stage_x: quantized weights, one 8-token tile, no cluster): after the PDL wait the block
 // copies x [M, K] (M K <= kStagedXElems) into shared memory, times input_scale and rounded to BF16,
 // and NORM's sums of squares per token with it; the stages read their x pieces there. No global x
 // load waits in the stages (ncu: 15-26% of the quantized kernels' stall samples at one token), and
 // input_scale is applied once per block, not once per row tile.
 template <int WARPS, int NT, int U, int S, bool GLU, bool ADD, bool NORM, bool SPLIT, int CS, bool PERSIST, int RT,
-          WFmt F, class OutT>
+          WFmt F, bool XS, class OutT>
 __global__ void __launch_bounds__(WARPS * 32)
     skinny_gemm_kernel(const bf16* __restrict__ x, int64_t ldx, int M, const uint8_t* __restrict__ w,
                        int64_t ldw, int N, int K, uint32_t pf_bytes, ParamView bias, bool has_bias,
@@ -283,7 +283,7 @@ __global__ void __launch_bounds__(WARPS * 32)
   static_assert(RT == 1 || (RT == 2 && !SPLIT && CS == 1), "two row tiles per block only without split-K");
   static_assert(F == WFmt::kBf16 || !SPLIT, "quantized weights without split-K over the grid");
   constexpr bool QUANT = F != WFmt::kBf16;
-  constexpr bool XS = skinny_stages_x<F, NT, CS>();  // x staged in shared memory (the notes above the kernel)
+  static_assert(!XS || skinny_can_stage_x<F, NT, CS>(), "x staged only for quantized weights, one token tile, no cluster");
   constexpr int KC = wfmt_k_per_chunk<F>(), PK = KC / 4, XW = PK / 8;  // K per chunk, per piece; x loads per piece
   pdl_launch_dependents();
   if constexpr (CS > 1) cluster_arrive_relaxed();  // "this block runs"; waited on before the remote stores
@@ -754,7 +754,7 @@ struct SkinnyPlan {
 // Stages of the ring of a quantized weight (one chunk a stage: its x pieces are 2 or 4 times the
 // registers of a BF16 chunk's): about the BF16 ring's bytes, 64 KiB for 8 warps and 96 KiB for 16
 // (NVFP4 a stage fewer where its scale words would pass that by much), at least 3.
-// Where x is staged (skinny_stages_x), its bytes come out of that budget.
+// Where x is staged (XS), its bytes come out of that budget.
 template <int WARPS, int RT, WFmt F, bool XS> constexpr int skinny_quant_stages() {
   constexpr int per_thread = (WARPS == 16 ? 192 : 256) - (XS ? kStagedXElems * int(sizeof(bf16)) / (WARPS * 32) : 0);
   constexpr int row_bytes = 2 * RT * (F == WFmt::kNvfp4 ? 20 : 16);
@@ -766,17 +766,17 @@ template <int WARPS, int RT, WFmt F, bool XS> constexpr int skinny_quant_stages(
 // sizes (BF16): 64 KiB (8 warps, 4 stages: 3 blocks per SM) and 96 KiB (16 warps, 3 stages: 2 blocks
 // per SM); 192 resp. 128 bytes in flight per thread. A stage holds two chunks of 2 rows (RT = 1) or
 // one chunk of 4 rows (RT = 2); quantized weights one chunk (skinny_quant_stages).
-template <int WARPS_, int NT_, bool SPLIT_, int CS_, bool PERSIST_, int RT_ = 1, WFmt F_ = WFmt::kBf16>
+template <int WARPS_, int NT_, bool SPLIT_, int CS_, bool PERSIST_, int RT_ = 1, WFmt F_ = WFmt::kBf16, bool XS_ = false>
 struct SkinnyCfg {
   static constexpr WFmt F = F_;
   static constexpr int WARPS = WARPS_, NT = NT_, RT = RT_, CS = CS_;
   static constexpr int U = F == WFmt::kBf16 ? 2 / RT_ : 1;
   static constexpr int S = F == WFmt::kBf16 ? (WARPS_ == 16 ? 3 : 4)
-                                             : skinny_quant_stages<WARPS_, RT_, F_, skinny_stages_x<F_, NT_, CS_>()>();
-  static constexpr bool SPLIT = SPLIT_, PERSIST = PERSIST_;
-  static constexpr int smem = skinny_smem_bytes<WARPS, NT, U, S, CS, RT, F>();
+                                             : skinny_quant_stages<WARPS_, RT_, F_, XS_>();
+  static constexpr bool SPLIT = SPLIT_, PERSIST = PERSIST_, XS = XS_;
+  static constexpr int smem = skinny_smem_bytes<WARPS, NT, U, S, CS, RT, F, XS>();
   template <class Epi, class OutT> static constexpr auto kernel() {
-    return skinny_gemm_kernel<WARPS, NT, U, S, Epi::GLU, Epi::ADD, Epi::NORM, SPLIT, CS, PERSIST, RT, F, OutT>;
+    return skinny_gemm_kernel<WARPS, NT, U, S, Epi::GLU, Epi::ADD, Epi::NORM, SPLIT, CS, PERSIST, RT, F, XS, OutT>;
   }
 };
 
@@ -794,22 +794,25 @@ using EpiNormGlu = SkinnyEpi<true, false, true>;
 // Calls f(SkinnyCfg<...>{}) with the configuration of plan p for M tokens (one or two 8-token tiles).
 // Epi::NORM: only the configurations without split-K (the plan has none, skinny_plan's whole_k).
 // Quantized weights (Fmt): no split-K over the grid, clusters of 2 (run_skinny); one 8-token tile
-// stages x (skinny_stages_x) where its M rows of K fit, else two tiles read it from global memory.
+// stages x (XS) where its M rows of K fit, else reads it from global memory.
 template <class Epi, WFmt Fmt, class F> void visit_skinny(const SkinnyPlan& p, int M, int K, F&& f) {
   auto by_m = [&](auto warps, auto split, auto cs, auto persist) {
     constexpr int W = decltype(warps)::value, C = decltype(cs)::value;
     constexpr bool SP = decltype(split)::value, PE = decltype(persist)::value;
-    auto by_rt = [&](auto nt) {
+    auto by_rt = [&](auto nt, auto xs) {
       constexpr int T = decltype(nt)::value;
+      constexpr bool X = decltype(xs)::value;
       if constexpr (!SP && C == 1) {
-        if (p.rt == 2) return f(SkinnyCfg<W, T, SP, C, PE, 2, Fmt>{});
+        if (p.rt == 2) return f(SkinnyCfg<W, T, SP, C, PE, 2, Fmt, X>{});
       }
-      f(SkinnyCfg<W, T, SP, C, PE, 1, Fmt>{});
+      f(SkinnyCfg<W, T, SP, C, PE, 1, Fmt, X>{});
     };
-    if (M <= 8 && !(skinny_stages_x<Fmt, 1, C>() && int64_t(M) * K > kStagedXElems))
-      by_rt(std::integral_constant<int, 1>{});
-    else
-      by_rt(std::integral_constant<int, 2>{});
+    using OneTile = std::integral_constant<int, 1>;
+    if (M > 8) return by_rt(std::integral_constant<int, 2>{}, std::false_type{});
+    if constexpr (skinny_can_stage_x<Fmt, 1, C>()) {
+      if (int64_t(M) * K <= kStagedXElems) return by_rt(OneTile{}, std::true_type{});
+    }
+    by_rt(OneTile{}, std::false_type{});
   };
   using std::false_type, std::true_type;
   using Eight = std::integral_constant<int, 8>;
