@@ -10,23 +10,41 @@ import quant_numpy as qn
 from support import FIXTURES, relerr
 
 TEXT = FIXTURES / "text_tied"
-# The first projection (layer 0) reads the normalised embeddings, the same values on both backends up
-# to BF16 rounding: its statistics pin the observer's arithmetic (FIRST_TOL, relerr CUDA against CPU).
-# Deeper inputs differ by the BF16 drift of the CUDA engine's activations against the CPU's fp32
-# (DEEP_TOL): a channel's maximum over the tokens picks out one token's drift (relerr up to 0.104 over
-# 48 tokens on the H100, single channels 25% apart), the squares weigh the largest values most (up to
-# 0.055), the second moments' cross products more (0.107 over 48 tokens, 0.126 over 2,000). Those bounds check that every slot observes its own input over every token; the input of
-# another slot, or tokens missed, is far off.
-FIRST_TOL = 5e-3
-DEEP_TOL = {"abs_max": 0.25, "abs_mean": 0.1, "square_mean": 0.1, "second_moment": 0.2}
+# The observer tests zero every layer's output projections (o_proj, out_proj, down_proj) on both
+# backends: the residual stream then stays the embeddings, so every projection's input lies at most one
+# layer from them and the two backends see the same values up to BF16 rounding, where with the layers
+# on the CUDA engine's BF16 activations drift from the CPU's fp32 as deep as the tested differences
+# between slots (square means 10% apart at layer 2, the closest pair of slots 19-23%). Measured with
+# transformers over 48 tokens, all in BF16 against fp32: at most 1.6% (second moments), 1.1% (maxima);
+# the closest two slots stay 19% apart, so STATS_TOL also tells every slot's input from another's.
+STATS_TOL = 4e-2
+OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "down_proj")
+
+
+def zero_output_projections(eng: ocria_rt.Engine) -> ocria_rt.Engine:
+    for g in eng.linear_groups():
+        for module, rows in zip(g["modules"], g["rows"]):
+            if module.rsplit(".", 1)[-1] in OUTPUT_PROJECTIONS:
+                eng.set_linear_weight(module, np.zeros((rows, g["in_features"]), np.float32))
+    return eng
+
+
+def observe(device: str, tokens: list[int], **engine_options) -> tuple[list[dict], np.ndarray]:
+    """The linear-input statistics (with second moments) and the scores of `tokens` on `device`, with the
+    output projections zeroed (the notes above)."""
+    eng = zero_output_projections(ocria_rt.Engine(TEXT, device=device, linear_observer=True, **engine_options))
+    eng.observe_linear_inputs(True, second_moment=True)
+    scores = eng.score(tokens)
+    eng.observe_linear_inputs(False)
+    return eng.linear_input_stats(), scores
 
 
 def check_stats(cpu_slots: list[dict], cuda_slots: list[dict], tokens: int) -> None:
     assert len(cpu_slots) == len(cuda_slots) > 1
     for i, (cpu, cuda) in enumerate(zip(cpu_slots, cuda_slots)):
         assert cpu["tokens"] == cuda["tokens"] == tokens
-        for key, deep_tol in DEEP_TOL.items():
-            assert relerr(cuda[key], cpu[key]) <= (FIRST_TOL if i == 0 else deep_tol), (i, key)
+        for key in ("abs_max", "abs_mean", "square_mean", "second_moment"):
+            assert relerr(cuda[key], cpu[key]) <= STATS_TOL, (i, key)
 
 
 def ids(n=40, seed=3):
@@ -34,19 +52,12 @@ def ids(n=40, seed=3):
 
 
 def test_observer_matches_cpu():
-    """The statistics of every projection's input agree with the CPU's (FIRST_TOL, DEEP_TOL);
-    observing leaves the scores as they are."""
+    """The statistics of every projection's input agree with the CPU's (STATS_TOL); observing leaves the
+    scores as they are."""
     tokens = ids(48)
-    stats = {}
-    for device in ("cpu", "cuda"):
-        eng = ocria_rt.Engine(TEXT, device=device, linear_observer=True)
-        eng.observe_linear_inputs(True, second_moment=True)
-        got = eng.score(tokens)
-        eng.observe_linear_inputs(False)
-        stats[device] = eng.linear_input_stats()
-        if device == "cuda":
-            assert relerr(got, ocria_rt.Engine(TEXT, device="cuda").score(tokens)) <= 1e-2
-    check_stats(stats["cpu"], stats["cuda"], 48)
+    (cpu, _), (cuda, scores) = observe("cpu", tokens), observe("cuda", tokens)
+    check_stats(cpu, cuda, 48)
+    assert relerr(scores, zero_output_projections(ocria_rt.Engine(TEXT, device="cuda")).score(tokens)) <= 1e-2
 
 
 def test_set_linear_weight_restores_bits():
@@ -117,13 +128,7 @@ def test_observer_second_moment_on_cuda_long():
     """The device statistics over many tokens (several prefill chunks, rows not a multiple of 16) are the
     CPU observer's (check_stats): the Kahan-summed accumulators lose nothing over 2,000 tokens."""
     tokens = ids(2003, seed=6)
-    stats = {}
-    for device in ("cpu", "cuda"):
-        eng = ocria_rt.Engine(TEXT, device=device, linear_observer=True, prefill_chunk=512)
-        eng.observe_linear_inputs(True, second_moment=True)
-        eng.score(tokens)
-        eng.observe_linear_inputs(False)
-        stats[device] = eng.linear_input_stats()
-    check_stats(stats["cpu"], stats["cuda"], 2003)
-    for cuda in stats["cuda"]:
-        np.testing.assert_allclose(np.diag(cuda["second_moment"]), cuda["square_mean"], rtol=1e-3)
+    (cpu, _), (cuda, _) = (observe(d, tokens, prefill_chunk=512) for d in ("cpu", "cuda"))
+    check_stats(cpu, cuda, 2003)
+    for slot in cuda:
+        np.testing.assert_allclose(np.diag(slot["second_moment"]), slot["square_mean"], rtol=1e-3)
