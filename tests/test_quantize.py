@@ -234,6 +234,36 @@ def test_feedback_rounding_beats_awq(fmt):
     assert quantize_group(parts, fmt, diagonal, "gptq").error == quantize_group(parts, fmt, diagonal, "awq").error
 
 
+@pytest.mark.parametrize("method", ["awq", "gptq", "rtn"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_errors_measured_on_sampled_rows(monkeypatch, fmt, method):
+    """Groups of more than SEARCH_ROWS rows measure the errors on that many rows: the weights kept are
+    those that measuring every row keeps where both choose the same candidate (as here; where two candidates'
+    errors lie within the sampling's spread, either may be kept), bit for bit, and the error reported is
+    the exact one within that spread."""
+    from ocria_rt.quantization import awq as A
+
+    rng = np.random.default_rng(3)
+    k = 64
+    x = rng.standard_normal((1024, k)) * np.where(np.arange(k) % 7 == 0, 30.0, 1.0)
+    parts = [rng.standard_normal((700, k)).astype(np.float32), rng.standard_normal((300, k)).astype(np.float32)]
+    stats = {"abs_max": np.abs(x).max(0), "abs_mean": np.abs(x).mean(0), "square_mean": (x**2).mean(0),
+             "second_moment": x.T @ x / len(x)}
+    monkeypatch.setattr(A, "SEARCH_ROWS", 400)
+    sampled = A.quantize_group(parts, fmt, stats, method)
+    monkeypatch.setattr(A, "SEARCH_ROWS", 4096)
+    exact = A.quantize_group(parts, fmt, stats, method)
+    assert (sampled.alpha, sampled.pre_quant_scale is None) == (exact.alpha, exact.pre_quant_scale is None)
+    assert sampled.searched_blocks == exact.searched_blocks
+    for a, b in zip(sampled.weights, exact.weights):
+        assert a.codes.shape == b.codes.shape and a.scale == b.scale and a.input_scale == b.input_scale
+        np.testing.assert_array_equal(a.codes, b.codes)
+        if fmt == "nvfp4":
+            np.testing.assert_array_equal(a.block_scale, b.block_scale)
+    assert sampled.error == pytest.approx(exact.error, rel=0.1)
+    assert sampled.rtn_error == pytest.approx(exact.rtn_error, rel=0.1)
+
+
 # ---- the engine's calibration hooks ----
 
 def test_observer_statistics_match_numpy():

@@ -13,6 +13,8 @@ the alpha kept minimises the output error on the calibration activations,
 which alpha = 0 (s = 1, plain rounding) bounds from above. Then each NVFP4 block's scale is picked from
 a grid of scaled block maxima (0.6 to 1.1: clipping the largest values, or not) by the same error
 restricted to the block (its 16 x 16 block of C), and kept only where the whole projection's E goes down.
+E is measured on at most SEARCH_ROWS rows spread evenly over the parts, each part's share scaled to all its
+rows; only the candidate kept is then quantized in full.
 Method "gptq" adds the weights unscaled and scaled by the chosen s (the same where alpha is 0), each
 rounded column by column with each column's error fed back into the columns after it
 (_Group.round_with_feedback); the candidate of lowest E is kept.
@@ -56,6 +58,10 @@ class QuantizedWeight:
         if self.fmt == "fp8":
             return F.fp8_dequantize(self.codes, self.scale, col_divisor, minuend, threads)
         return F.nvfp4_dequantize(self.codes, self.block_scale, self.scale, col_divisor, minuend, threads)
+
+    def take_rows(self, rows: np.ndarray) -> QuantizedWeight:
+        return QuantizedWeight(self.fmt, self.codes[rows], self.scale, self.input_scale,
+                               None if self.block_scale is None else self.block_scale[rows])
 
     def tensors(self, module: str) -> dict[str, tuple[str, np.ndarray]]:
         """The safetensors entries of the module, named and typed as ModelOpt writes them."""
@@ -233,9 +239,12 @@ class _Group:
         return self._rows[1]
 
     def error(self, q: list[QuantizedWeight], s: np.ndarray | None, rows: list[np.ndarray] | None = None) -> float:
-        """E of the quantized parts (their columns divided by s), over `rows` of each part when given."""
-        src = self.parts if rows is None else self.rows_of(rows)
-        return sum(self.C.error(w.dequantize(self.threads, s, part)) for w, part in zip(q, src))
+        """E of the quantized parts (their columns divided by s); with `rows`, q holds those rows of each
+        part and each part's error on them is scaled to all its rows."""
+        if rows is None:
+            return sum(self.C.error(w.dequantize(self.threads, s, part)) for w, part in zip(q, self.parts))
+        return sum(self.C.error(w.dequantize(self.threads, s, part)) * (len(full) / max(len(r), 1))
+                   for w, part, full, r in zip(q, self.rows_of(rows), self.parts, rows))
 
 
 def _round_rows(w: np.ndarray, u: np.ndarray, fmt: str, scale: np.float32, codes: np.ndarray,
@@ -290,17 +299,19 @@ def quantize_group(parts: list[np.ndarray], fmt: str, stats: dict, method: str =
             w.input_scale = _input_scale(fmt, stats["abs_max"], p)
         return GroupQuantization(weights, p, alpha, searched, error, rtn_error)
 
-    rtn, _ = g.quantize(fmt, None, clip=False)
-    rtn_error = g.error(rtn, None)
-    if method == "rtn":
-        return finish(rtn, None, 0.0, 0.0, rtn_error, rtn_error)
-
-    # alpha search on at most SEARCH_ROWS rows, spread evenly over the parts
+    # The errors are measured on at most SEARCH_ROWS rows, spread evenly over the parts (every row of a
+    # smaller group), each part's scaled to all its rows; a row's codes do not depend on the other rows
+    # (the global scale comes from every row's maximum), so these are the final weights' own rows.
     total = sum(w.shape[0] for w in g.parts)
     rows = None
     if total > SEARCH_ROWS:
         rows = [np.linspace(0, w.shape[0] - 1, max(1, w.shape[0] * SEARCH_ROWS // total)).astype(np.int64)
                 for w in g.parts]
+    rtn, _ = g.quantize(fmt, None, clip=False, rows=rows)
+    rtn_error = g.error(rtn, None, rows)
+    if method == "rtn":
+        return finish(g.quantize(fmt, None, clip=False)[0] if rows else rtn, None, 0.0, 0.0, rtn_error, rtn_error)
+
     best_alpha, best_err = 0.0, None
     for alpha in ALPHAS:
         s = _scales(stats["abs_mean"], float(alpha), tie)
@@ -309,15 +320,22 @@ def quantize_group(parts: list[np.ndarray], fmt: str, stats: dict, method: str =
         if best_err is None or err < best_err:
             best_alpha, best_err = float(alpha), err
     s = _scales(stats["abs_mean"], best_alpha, tie)
-    candidates = [(rtn, None, 0.0, 0.0, rtn_error)]
+    p_awq = (1.0 / s).astype(np.float32)
+    # candidates: (weights of the measured rows, p, alpha, clip or None (feedback rounding: all rows
+    # already), share of blocks searched, error); only the one kept is then quantized in full
+    candidates: list[tuple[list[QuantizedWeight], np.ndarray | None, float, bool | None, float, float]] = [
+        (rtn, None, 0.0, False, 0.0, rtn_error)]
     for clip in ((False, True) if fmt == "nvfp4" else (False,)):
-        q, searched = g.quantize(fmt, s, clip=clip)
-        candidates.append((q, (1.0 / s).astype(np.float32), best_alpha, searched, g.error(q, s)))
+        q, searched = g.quantize(fmt, s, clip=clip, rows=rows)
+        candidates.append((q, p_awq, best_alpha, clip, searched, g.error(q, s, rows)))
     if method == "gptq":
         for scaled in (None,) if best_alpha == 0 else (None, s):  # alpha 0: s is 1, the same rounding
             q = g.round_with_feedback(fmt, scaled)
             if q is not None:
-                p = None if scaled is None else (1.0 / s).astype(np.float32)
-                candidates.append((q, p, best_alpha if scaled is not None else 0.0, 0.0, g.error(q, scaled)))
-    q, p, alpha, searched, err = min(candidates, key=lambda c: c[4])
+                p = None if scaled is None else p_awq
+                candidates.append((q, p, best_alpha if scaled is not None else 0.0, None, 0.0,
+                                   g.error([w.take_rows(r) for w, r in zip(q, rows)] if rows else q, scaled, rows)))
+    q, p, alpha, clip, searched, err = min(candidates, key=lambda c: c[5])
+    if rows and clip is not None:  # the kept candidate's every row
+        q, searched = g.quantize(fmt, None if p is None else s, clip=clip)
     return finish(q, p, alpha, searched, err, rtn_error)
