@@ -220,6 +220,17 @@ PYBIND11_MODULE(_core, m) {
         return to_array(std::move(logits), int64_t(ids.size()), e.config().vocab_size);
       }, py::arg("token_ids"), py::arg("chunk") = 0, py::arg("pixel_values") = py::none(),
          py::arg("image_grid_thw") = py::none())
+      .def("hidden_states", [](Engine& e, const std::vector<int32_t>& ids, const std::vector<int64_t>& layers,
+                               std::optional<FloatArray> pixel_values, std::optional<IntArray> grid_thw) {
+        std::optional<ImageBatch> images = maybe_images(pixel_values, grid_thw);
+        std::vector<float> states;
+        {
+          py::gil_scoped_release release;
+          states = e.hidden_states(ids, layers, images ? &*images : nullptr);
+        }
+        return to_array(std::move(states), int64_t(ids.size()), int64_t(layers.size()) * e.config().hidden_size);
+      }, py::arg("token_ids"), py::arg("layers"), py::arg("pixel_values") = py::none(),
+         py::arg("image_grid_thw") = py::none())
       .def("start", [](Engine& e, const std::vector<int32_t>& ids, int64_t max_new_tokens, float temperature, int64_t top_k,
                        float top_p, uint64_t seed, std::vector<int32_t> stop, std::optional<FloatArray> pixel_values,
                        std::optional<IntArray> grid_thw, bool speculative) {

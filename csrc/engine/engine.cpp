@@ -153,6 +153,26 @@ class EngineImpl final : public Engine {
     return out;
   }
 
+  std::vector<float> hidden_states(const std::vector<int32_t>& tokens, const std::vector<int64_t>& layers,
+                                   const ImageBatch* images) override {
+    validate_tokens(tokens, "hidden_states");
+    if (layers.empty()) throw Error(ErrorCode::kInvalidArgument, "hidden_states: no layers given");
+    for (int64_t l : layers)
+      if (l < 0 || l >= config_.num_layers)
+        throw Error(ErrorCode::kInvalidArgument, "hidden_states: layer " + std::to_string(l) + " is not one of the model's " +
+                                                     std::to_string(config_.num_layers) + " decoder layers (0.." +
+                                                     std::to_string(config_.num_layers - 1) + ")");
+    active_ = false;
+    const int64_t width = int64_t(layers.size()) * config_.hidden_size;
+    Arena scratch(*backend_);  // for this call only
+    HiddenTaps taps{layers, scratch.alloc(backend_->activation_dtype(), {prefill_chunk_, width})};
+    std::vector<float> out(tokens.size() * size_t(width));
+    prefill(tokens, prefill_chunk_, images, [&](int64_t c0, int64_t T) {
+      backend_->copy_to_host(out.data() + c0 * width, taps.out.rows(0, T));
+    }, &taps);
+    return out;
+  }
+
   void start(const std::vector<int32_t>& prompt, const SamplingParams& sp, const ImageBatch* images) override {
     validate_tokens(prompt, "prompt");
     if (sp.max_new_tokens <= 0)

@@ -153,6 +153,13 @@ class Engine {
   virtual std::vector<float> score(const std::vector<int32_t>& token_ids, int64_t chunk = 0,
                                    const ImageBatch* images = nullptr) = 0;
 
+  // The hidden states at every position of `token_ids` (a fresh sequence; `images` as in score()) after
+  // decoder layers `layers` (from 0; the last layer's after the final norm, as transformers numbers
+  // hidden_states[id + 1]): row-major [n, layers.size() * hidden], layer layers[i] in columns
+  // [i * hidden, (i + 1) * hidden), fp32 -- the "taps" a DFlash drafter reads, in its layout.
+  virtual std::vector<float> hidden_states(const std::vector<int32_t>& token_ids, const std::vector<int64_t>& layers,
+                                           const ImageBatch* images = nullptr) = 0;
+
   // Incremental generation: start() prefills a fresh sequence; each next_token() returns one new
   // token (the first comes from the prompt's logits). generate() is the loop over both.
   virtual void start(const std::vector<int32_t>& prompt, const SamplingParams& params,

@@ -172,6 +172,20 @@ class Engine:
         """
         return self._core.score(self._ids(prompt), int(chunk), *_images(pixel_values, image_grid_thw))
 
+    def hidden_states(
+        self,
+        prompt: Prompt,
+        layers: Sequence[int],
+        pixel_values: np.ndarray | None = None,
+        image_grid_thw: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """The hidden states (np.float32 [len(tokens), len(layers) * hidden]) at every position of a fresh
+        sequence after the decoder layers `layers` (from 0; the last layer's after the final norm, as
+        transformers' hidden_states[id + 1]), layer layers[i] in columns [i * hidden, (i + 1) * hidden):
+        the taps a DFlash drafter reads, in its layout. Images as in score()."""
+        return self._core.hidden_states(self._ids(prompt), [int(layer) for layer in layers],
+                                        *_images(pixel_values, image_grid_thw))
+
     def generate(
         self,
         prompt: Prompt,

@@ -3,8 +3,9 @@
 
 Each page's prompt is built by ocria_rt.chat (image expanded, chat template), its output is the target's
 greedy answer through ocria_rt's engine (plain decoding), and the taps of prompt + output are the
-target's hidden states at the drafter's target_layer_ids from one transformers forward over the whole
-sequence (`hidden_states[id + 1]`, the output of decoder layer `id`). Shards of pages are cached as
+target's hidden states at the drafter's target_layer_ids from the same engine over the whole sequence
+(Engine.hidden_states: the output of decoder layer `id`, transformers' `hidden_states[id + 1]`), so that
+the drafter learns from the taps it reads when it drafts (on a GPU: BF16's). No torch needed. Shards of pages are cached as
 `shard-NNNNN.npz` in the cache directory: ids (int32 [N]), prompt_len, taps (float16 [N, n_taps * H]);
 existing shards are kept, so an interrupted run resumes. meta.json records the options and what synthdoc
 drew the pages from (under another text source, e.g. without faker, the same seeds are other pages), so
@@ -14,8 +15,8 @@ that a resume or evaluate.py --data does not mix pages.
         --layers 1 3 5 --pages 400
     python scripts/train_drafter/data.py --target DIR --out DIR --layers ... --images my_pages/   # user pages
 
-On a GPU (`--device cuda`) the engine and the transformers forward run there, and `--workers` processes
-draw the synthdoc pages meanwhile (page drawing is then the slow part on the host).
+On a GPU (`--device cuda`) the engine runs there, and `--workers` processes draw the synthdoc pages
+meanwhile (page drawing is then the slow part on the host).
 """
 
 from __future__ import annotations
@@ -87,31 +88,6 @@ def read_cache(data: Path, taps: bool = True, shards: slice = slice(None)):
                 yield page
 
 
-def load_transformers_target(target: Path):
-    import torch
-    from transformers import AutoConfig, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
-
-    cfg = AutoConfig.from_pretrained(target)
-    cls = Qwen3_5ForConditionalGeneration if getattr(cfg, "vision_config", None) is not None else Qwen3_5ForCausalLM
-    return cls.from_pretrained(target, dtype=torch.float32).eval(), cfg
-
-
-def taps_of(model, cfg, ids: list[int], pixel_values, grid, layers: list[int]) -> np.ndarray:
-    import torch
-
-    device = next(model.parameters()).device
-    x = torch.tensor([ids], device=device)
-    kw = {}
-    if pixel_values is not None:
-        img = cfg.image_token_id
-        kw = dict(pixel_values=torch.from_numpy(pixel_values).to(device), image_grid_thw=torch.from_numpy(grid).to(device),
-                  mm_token_type_ids=(x == img).int())
-        model.model.rope_deltas = None
-    with torch.no_grad():
-        out = model(input_ids=x, output_hidden_states=True, use_cache=False, logits_to_keep=1, **kw)
-    return torch.cat([out.hidden_states[i + 1][0] for i in layers], -1).cpu().numpy()
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", type=Path, required=True, help="the target's HF directory (a Qwen3.5 VLM)")
@@ -123,14 +99,11 @@ def main(argv=None) -> None:
     ap.add_argument("--images", type=Path, help="a folder of page images to use instead of synthdoc pages")
     ap.add_argument("--max-new-tokens", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--device", default="cpu", help="cpu or cuda: where the engine and the transformers target run")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda: where the engine runs")
     ap.add_argument("--workers", type=int, default=0, help="processes drawing synthdoc pages (0: in this one)")
     ap.add_argument("--minutes", type=float, default=25.0, help="stop after the shard that passes this budget")
     args = ap.parse_args(argv)
 
-    import torch
-
-    torch.set_num_threads(args.threads)
     import ocria_rt
     from ocria_rt.chat import build_multimodal_prompt
 
@@ -138,14 +111,12 @@ def main(argv=None) -> None:
     meta_path = args.out / "meta.json"
     meta = {"target": str(args.target), "layers": args.layers, "split": args.split, "seed": args.seed,
             "images": str(args.images) if args.images else None, "prompt": DEFAULT_PROMPT,
-            "position_ids": "sequence index", "pages_from": pages_from(args)}
+            "position_ids": "sequence index", "pages_from": pages_from(args), "taps": "Engine.hidden_states"}
     if meta_path.exists() and json.loads(meta_path.read_text()) != meta:
         raise SystemExit(f"{meta_path} was written for other options: {meta_path.read_text()}")
     meta_path.write_text(json.dumps(meta, indent=1) + "\n")
 
     eng = ocria_rt.Engine(args.target, device=args.device, num_threads=args.threads)
-    model, cfg = load_transformers_target(args.target)
-    model.to(args.device)
     t0 = time.perf_counter()
     shard: list[dict] = []
     done = 0
@@ -172,7 +143,7 @@ def main(argv=None) -> None:
         ids, pv, grid = build_multimodal_prompt(eng, messages)
         r = eng.generate(ids, args.max_new_tokens, pixel_values=pv, image_grid_thw=grid, speculative=False)
         seq = list(ids) + list(r.token_ids)
-        taps = taps_of(model, cfg, seq, pv, grid, args.layers)
+        taps = eng.hidden_states(seq, args.layers, pixel_values=pv, image_grid_thw=grid)
         shard.append({"ids": np.asarray(seq, np.int32), "prompt_len": np.int32(len(ids)),
                       "taps": taps.astype(np.float16)})
         if len(shard) == SHARD_PAGES and flush(path):

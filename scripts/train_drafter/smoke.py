@@ -2,8 +2,9 @@
 """The CPU proof of the recipe (well under a minute): data -> training (with a resume) -> a drafter that
 ocria_rt loads, whose proposals through the engine equal the torch model's, and with which speculative
 greedy decoding gives plain greedy's tokens. Target: the package's tiny-vlm (random weights).
-The proposals are compared on text prompts (the first block) and at every step of the engine's
-speculative loop on the cached image pages (the torch model on the cached taps before each step's
+The proposals are compared on text prompts (the first block; the torch model on transformers' taps,
+which cross-checks the engine's) and at every step of the engine's speculative loop on the cached image
+pages (the torch model on the cached taps, data.py's from Engine.hidden_states, before each step's
 anchor: the training data's context), so that training and the engine cannot disagree on which taps,
 positions or tokens a block sees.
 
@@ -39,6 +40,22 @@ PROMPT_SEEDS = range(4)
 def text_prompt(seed: int, vocab: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (10 + seed,), generator=g).tolist()
+
+
+def load_transformers_target(target: Path):
+    """The target in transformers (fp32, CPU): its taps for the text prompts, and z-lab's reference."""
+    from transformers import AutoConfig, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
+
+    vlm = getattr(AutoConfig.from_pretrained(target), "vision_config", None) is not None
+    return (Qwen3_5ForConditionalGeneration if vlm else Qwen3_5ForCausalLM).from_pretrained(target, dtype=torch.float32).eval()
+
+
+def transformers_taps(model, ids: list[int], layers: list[int]) -> torch.Tensor:
+    """transformers' hidden_states[id + 1] of the layers, concatenated per position, for a text prompt (the
+    cross-check of the engine's taps, which data.py caches)."""
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([ids]), output_hidden_states=True, use_cache=False, logits_to_keep=1)
+    return torch.cat([out.hidden_states[i + 1][0] for i in layers], -1)
 
 
 def zlab_proposals(drafter_dir: Path, target, prompt: list[int], anchor: int) -> list[int] | None:
@@ -116,12 +133,12 @@ def run(work: Path, fixture: Path | None = None) -> dict:
 
     model = DFlash2Drafter.load(drafter_dir).eval()
     embed, head, _, text = train.target_tables(TARGET)
-    target, cfg = data.load_transformers_target(TARGET)
+    target = load_transformers_target(TARGET)
     eng = ocria_rt.Engine(TARGET, drafter=drafter_dir, num_threads=1)
     proposals, same_greedy, accept, zlab_checked = [], 0, [], 0
     for seed in PROMPT_SEEDS:
         prompt = text_prompt(seed, int(text["vocab_size"]) - 4)
-        taps = torch.from_numpy(data.taps_of(target, cfg, prompt, None, None, LAYERS))
+        taps = transformers_taps(target, prompt, LAYERS)
         anchor = eng.generate(prompt, 1, stop_token_ids=[], speculative=False).token_ids[0]
         mine = propose(model, taps, anchor, embed, head)
         if mine != eng.draft(prompt):

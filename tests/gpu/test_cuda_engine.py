@@ -264,6 +264,25 @@ def test_shipped_model_on_cuda():
     assert doc.ok and all(p.markdown.strip() for p in doc.pages)
 
 
+def test_hidden_states_match_cpu():
+    """Engine.hidden_states of ocria-mini on a held-out page (its drafter taps, layers 2, 6, 7) on the GPU
+    against the CPU's: within BF16's error at every tapped layer, text-only prompts too."""
+    from ocria_rt.chat import build_multimodal_prompt
+    from ocria_rt.pipeline import DEFAULT_PROMPT
+
+    engines = [ocria_rt.Engine(ocria_rt.default_model_dir(), device=d) for d in ("cpu", "cuda")]
+    msgs = [{"role": "user", "content": [{"type": "image", "image": str(FIXTURES / "ocria_mini" / "page.png")},
+                                         {"type": "text", "text": DEFAULT_PROMPT}]}]
+    ids, pv, grid = build_multimodal_prompt(engines[0], msgs)
+    H = engines[0].config["hidden_size"]
+    for tokens, images in ((ids, dict(pixel_values=pv, image_grid_thw=grid)), (ids[-12:], {})):
+        want, got = (e.hidden_states(tokens, [2, 6, 7], **images) for e in engines)
+        assert got.shape == want.shape == (len(tokens), 3 * H) and np.all(np.isfinite(got))
+        for i in range(3):
+            errs = [relerr(g, w) for g, w in zip(got[:, i * H:(i + 1) * H], want[:, i * H:(i + 1) * H])]
+            assert np.mean(errs) <= TF_TOL, (i, np.mean(errs))
+
+
 def test_cuda_errors_are_clear():
     with pytest.raises(ocria_rt.InvalidArgumentError, match="device"):
         ocria_rt.Engine(FIXTURES / "text_tied", device="cuda:x")
