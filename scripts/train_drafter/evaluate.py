@@ -72,7 +72,8 @@ def evaluate(target: Path, drafter: Path, pages: list, max_new: int, threads: in
     decode_s = {True: 0.0, False: 0.0}
     decode_tokens = 0
     accept: list[int] = []
-    mismatched, cer, cache_equal = 0, [], 0
+    mismatches: list[dict] = []
+    cer, cache_equal = [], 0
     for i, ((ids, pv, grid), ref) in enumerate(prompts):
         results = {}
         for spec in ((True, False) if i % 2 == 0 else (False, True)):
@@ -82,7 +83,11 @@ def evaluate(target: Path, drafter: Path, pages: list, max_new: int, threads: in
             cpu[spec] += time.process_time() - c0
             decode_s[spec] += results[spec].decode_seconds
         decode_tokens += len(results[False].token_ids) - 1
-        mismatched += results[True].token_ids != results[False].token_ids
+        spec_ids, plain_ids = list(results[True].token_ids), list(results[False].token_ids)
+        if spec_ids != plain_ids:  # where they part, and how close the plain path's top two logits were there
+            d = next((k for k, (a, b) in enumerate(zip(spec_ids, plain_ids)) if a != b), min(len(spec_ids), len(plain_ids)))
+            top2 = np.sort(eng.score(list(ids) + plain_ids[:d], pixel_values=pv, image_grid_thw=grid)[-1])[-2:]
+            mismatches.append({"page": i, "token": d, "plain_top2_margin": float(top2[1] - top2[0])})
         cache_equal += cached is not None and list(results[False].token_ids) == cached[i]
         accept += results[True].acceptance_lengths
         cer.append(synthdoc.score_page(results[False].text.strip(), ref)["cer"])
@@ -97,7 +102,7 @@ def evaluate(target: Path, drafter: Path, pages: list, max_new: int, threads: in
         "speedup_decode": decode_s[False] / decode_s[True], "speedup_end_to_end": wall[False] / wall[True],
         "cpu_s_per_page_plain": cpu[False] / n, "cpu_s_per_page_speculative": cpu[True] / n,
         "speedup_cpu_time": cpu[False] / cpu[True],
-        "mismatched_pages": mismatched, "cer": float(np.mean(cer)), "threads": threads, "device": device,
+        "mismatched_pages": len(mismatches), "mismatches": mismatches, "cer": float(np.mean(cer)), "threads": threads, "device": device,
         **({"cached_answers_equal": cache_equal} if cached is not None else {}),
     }
 
