@@ -5,8 +5,9 @@ scales), or activation-aware scaling with an error-minimising search.
 AWQ: x W^T = (x / s) (W diag(s))^T for any per-input-channel s > 0. Scaling up the columns of channels
 with large activations before quantizing protects them; the input is multiplied by the pre_quant_scale
 p = 1 / s (which a writer folds into the layer before: a norm's weight, or the rows of the projection
-that produces x). s = mean|x|^alpha, normalised to a geometric mid-range of 1, with alpha from a grid;
-the alpha kept minimises the output error on the calibration activations,
+that produces x). s = mean|x|^alpha, normalised to a geometric mid-range of 1, with alpha from a grid
+(0, 1/4, .., 1, then 1/8 either side of the best); the alpha kept minimises the output error on the
+calibration activations,
 
     E = sum over parts of tr(D C D^T),   D = W - dequant(quant(W diag(s))) diag(1 / s),   C = X^T X / n,
 
@@ -31,7 +32,8 @@ import numpy as np
 from . import formats as F
 
 METHODS = ("awq", "gptq", "rtn")
-ALPHAS = np.linspace(0.0, 1.0, 11)
+ALPHAS = np.linspace(0.0, 1.0, 5)  # the coarse grid of alpha; then its best +- ALPHA_REFINE
+ALPHA_REFINE = 0.125
 CLIP_GRID = np.array([1.1, 1.05, 1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6], np.float32)
 DAMPING = 0.01  # of H's mean diagonal, added to its diagonal before the feedback rounding inverts it
 FEEDBACK_BLOCK = 256  # columns whose rounding errors update the later columns together (a multiple of 16)
@@ -312,13 +314,19 @@ def quantize_group(parts: list[np.ndarray], fmt: str, stats: dict, method: str =
     if method == "rtn":
         return finish(g.quantize(fmt, None, clip=False)[0] if rows else rtn, None, 0.0, 0.0, rtn_error, rtn_error)
 
-    best_alpha, best_err = 0.0, None
+    errors = {0.0: rtn_error}  # alpha 0: s = 1, plain rounding
+
+    def search(alpha: float) -> None:
+        if 0.0 <= alpha <= 1.0 and alpha not in errors:
+            s = _scales(stats["abs_mean"], alpha, tie)
+            errors[alpha] = g.error(g.quantize(fmt, s, clip=False, rows=rows)[0], s, rows)
+
     for alpha in ALPHAS:
-        s = _scales(stats["abs_mean"], float(alpha), tie)
-        q, _ = g.quantize(fmt, s, clip=False, rows=rows)
-        err = g.error(q, s, rows)
-        if best_err is None or err < best_err:
-            best_alpha, best_err = float(alpha), err
+        search(float(alpha))
+    coarse = min(errors, key=errors.__getitem__)
+    for alpha in (coarse - ALPHA_REFINE, coarse + ALPHA_REFINE):
+        search(alpha)
+    best_alpha = min(errors, key=errors.__getitem__)
     s = _scales(stats["abs_mean"], best_alpha, tie)
     p_awq = (1.0 / s).astype(np.float32)
     # candidates: (weights of the measured rows, p, alpha, clip or None (feedback rounding: all rows
