@@ -164,7 +164,7 @@ class EngineImpl final : public Engine {
                                                      std::to_string(config_.num_layers - 1) + ")");
     active_ = false;
     const int64_t width = int64_t(layers.size()) * config_.hidden_size;
-    Arena scratch(*backend_);  // for this call only
+    Arena scratch(*backend_, 0);  // for this call only, of the taps' size
     HiddenTaps taps{layers, scratch.alloc(backend_->activation_dtype(), {prefill_chunk_, width})};
     std::vector<float> out(tokens.size() * size_t(width));
     prefill(tokens, prefill_chunk_, images, [&](int64_t c0, int64_t T) {
