@@ -101,6 +101,33 @@ def test_smoke_recipe(tmp_path) -> None:
     assert (tmp_path / "run" / "drafter" / "model.safetensors").is_file()
 
 
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="the training recipe needs torch")
+def test_training_batches() -> None:
+    """make_batch: anchors inside each answer (distinct where it has as many positions, drawn with
+    replacement where not), labels the tokens from each anchor on (-1 past the end), blocks the anchor then
+    the mask id, taps each sequence's own, zero past its end."""
+    import torch
+
+    rng = np.random.default_rng(0)
+    pages = []
+    for n, prompt in ((40, 10), (30, 25), (60, 5)):  # 29, 4 and 54 anchor positions
+        pages.append({"ids": torch.from_numpy(rng.integers(0, 100, n)), "prompt_len": prompt,
+                      "taps": torch.from_numpy(rng.standard_normal((n, 6)).astype(np.float16))})
+    with recipe_module("train") as train:
+        gen = torch.Generator().manual_seed(3)
+        taps, blocks, anchors, labels = train.make_batch(pages, gen, 12, 8, 5, 99)
+    pick = torch.randint(len(pages), (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    assert len(set(pick)) == 3 and taps.shape == (12, 60, 6) and labels.shape == blocks.shape == (12, 8, 5)
+    for s, i in enumerate(pick):
+        ids, start, n = pages[i]["ids"], pages[i]["prompt_len"], len(pages[i]["ids"])
+        at = anchors[s].tolist()
+        assert all(start <= a <= n - 2 for a in at) and (len(set(at)) == 8 or n - 1 - start < 8)
+        for a, row in zip(at, labels[s].tolist()):
+            assert row == [int(ids[a + k]) if a + k < n else -1 for k in range(5)]
+        assert torch.equal(taps[s, :n], pages[i]["taps"]) and not taps[s, n:].any()
+    assert torch.equal(blocks[..., 0], labels[..., 0]) and bool((blocks[..., 1:] == 99).all())
+
+
 def test_engine_uses_the_model_directorys_drafter_by_default(tmp_path) -> None:
     model = tmp_path / "tiny-vlm"
     shutil.copytree(PACKAGE_MODELS / "tiny-vlm", model)

@@ -77,23 +77,31 @@ def load_cache(data: Path, first_shard: int = 0, end_shard: int | None = None) -
 
 
 def make_batch(pages, gen: torch.Generator, batch: int, anchors: int, B: int, mask_id: int):
+    """`batch` random cached sequences, each with `anchors` anchor positions in its answer (distinct where it
+    has that many, else drawn with replacement): taps [batch, N, width] (float16, zero past a sequence's
+    end), the blocks' ids (the anchor, then mask_id), the anchors' positions and the labels [batch,
+    anchors, B] (the tokens from the anchor on, -1 past the end). Built with whole-batch tensor ops: the
+    per-sequence loop it replaced took 0.27 s a step at batch 512 on a 2-core host, serial with the GPU."""
+    from torch.nn.utils.rnn import pad_sequence
+
     pick = torch.randint(len(pages), (batch,), generator=gen).tolist()
-    N = max(len(pages[i]["ids"]) for i in pick)
-    width = pages[pick[0]]["taps"].shape[1]
-    taps = torch.zeros(batch, N, width)
-    anchor_pos = torch.zeros(batch, anchors, dtype=torch.long)
-    labels = torch.full((batch, anchors, B), -1, dtype=torch.long)  # [:, :, 0] = the anchor token
-    for s, i in enumerate(pick):
-        ids, n0 = pages[i]["ids"], pages[i]["prompt_len"]
-        n = len(ids)
-        taps[s, :n] = pages[i]["taps"].float()
-        valid = n - 1 - n0  # anchors n0 .. n - 2 have a next token
-        order = torch.randperm(valid, generator=gen) if valid >= anchors else torch.randint(valid, (anchors,), generator=gen)
-        p = n0 + order[:anchors]
-        anchor_pos[s] = p
-        for k in range(B):
-            inside = p + k < n
-            labels[s, :, k] = torch.where(inside, ids[(p + k).clamp(max=n - 1)], torch.full_like(p, -1))
+    lens = torch.tensor([len(pages[i]["ids"]) for i in pick])
+    start = torch.tensor([int(pages[i]["prompt_len"]) for i in pick])
+    ids = pad_sequence([pages[i]["ids"] for i in pick], batch_first=True, padding_value=-1)  # [batch, N]
+    taps = pad_sequence([pages[i]["taps"] for i in pick], batch_first=True)
+    valid = lens - 1 - start  # anchors start .. n - 2 have a next token
+    with_replacement = (torch.rand(batch, anchors, generator=gen) * valid[:, None]).long()
+    if int(valid.max()) >= anchors:  # the first `anchors` of a random order of 0 .. valid - 1
+        keys = torch.rand(batch, int(valid.max()), generator=gen)
+        keys[torch.arange(keys.shape[1]) >= valid[:, None]] = 2.0
+        distinct = keys.argsort(dim=1)[:, :anchors]
+        offsets = torch.where((valid >= anchors)[:, None], distinct, with_replacement)
+    else:
+        offsets = with_replacement
+    anchor_pos = start[:, None] + offsets  # [batch, anchors]
+    at = anchor_pos[..., None] + torch.arange(B)  # [batch, anchors, B]
+    labels = ids.gather(1, at.clamp(max=ids.shape[1] - 1).flatten(1)).view(batch, anchors, B)
+    labels[at >= lens[:, None, None]] = -1
     block_ids = torch.full((batch, anchors, B), mask_id, dtype=torch.long)
     block_ids[..., 0] = labels[..., 0]
     return taps, block_ids, anchor_pos, labels
@@ -228,6 +236,7 @@ def main(argv=None) -> None:
             g["lr"] = lr
         batch = make_batch(pages, gen, args.batch, args.anchors, B, spec.mask_token_id)
         taps, block_ids, anchor_pos, labels = (t.to(args.device, non_blocking=True) for t in batch)
+        taps = taps.float()
         hidden = model(taps, block_ids, anchor_pos, embed_in)
         ce, sel, metrics = losses(model, head, hidden, labels, gamma)
         loss = ce + args.selector_weight * sel
