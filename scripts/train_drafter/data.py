@@ -5,9 +5,9 @@ Each page's prompt is built by ocria_rt.chat (image expanded, chat template), it
 greedy answer through ocria_rt's engine (plain decoding), and the taps of prompt + output are the
 target's hidden states at the drafter's target_layer_ids from the same engine over the whole sequence
 (Engine.hidden_states: the output of decoder layer `id`, transformers' `hidden_states[id + 1]`), so that
-the drafter learns from the taps it reads when it drafts (on a GPU: BF16's). No torch needed. Shards of pages are cached as
-`shard-NNNNN.npz` in the cache directory: ids (int32 [N]), prompt_len, taps (float16 [N, n_taps * H]);
-existing shards are kept, so an interrupted run resumes. meta.json records the options and what synthdoc
+the drafter learns from the taps it reads when it drafts (on a GPU: BF16's). No torch needed. Shards of
+pages are cached as `shard-NNNNN.npz` in the cache directory: ids (int32 [N]), prompt_len, taps (float16
+[N, n_taps * H]); existing shards are kept, so an interrupted run resumes. meta.json records the options and what synthdoc
 drew the pages from (under another text source, e.g. without faker, the same seeds are other pages), so
 that a resume or evaluate.py --data does not mix pages.
 

@@ -85,7 +85,8 @@ def evaluate(target: Path, drafter: Path, pages: list, max_new: int, threads: in
         decode_tokens += len(results[False].token_ids) - 1
         spec_ids, plain_ids = list(results[True].token_ids), list(results[False].token_ids)
         if spec_ids != plain_ids:  # where they part, and how close the plain path's top two logits were there
-            d = next((k for k, (a, b) in enumerate(zip(spec_ids, plain_ids)) if a != b), min(len(spec_ids), len(plain_ids)))
+            d = next((k for k, (a, b) in enumerate(zip(spec_ids, plain_ids)) if a != b),
+                     min(len(spec_ids), len(plain_ids)))
             top2 = np.sort(eng.score(list(ids) + plain_ids[:d], pixel_values=pv, image_grid_thw=grid)[-1])[-2:]
             mismatches.append({"page": i, "token": d, "plain_top2_margin": float(top2[1] - top2[0])})
         cache_equal += cached is not None and list(results[False].token_ids) == cached[i]
@@ -102,7 +103,8 @@ def evaluate(target: Path, drafter: Path, pages: list, max_new: int, threads: in
         "speedup_decode": decode_s[False] / decode_s[True], "speedup_end_to_end": wall[False] / wall[True],
         "cpu_s_per_page_plain": cpu[False] / n, "cpu_s_per_page_speculative": cpu[True] / n,
         "speedup_cpu_time": cpu[False] / cpu[True],
-        "mismatched_pages": len(mismatches), "mismatches": mismatches, "cer": float(np.mean(cer)), "threads": threads, "device": device,
+        "mismatched_pages": len(mismatches), "mismatches": mismatches, "cer": float(np.mean(cer)),
+        "threads": threads, "device": device,
         **({"cached_answers_equal": cache_equal} if cached is not None else {}),
     }
 

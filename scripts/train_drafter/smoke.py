@@ -47,7 +47,8 @@ def load_transformers_target(target: Path):
     from transformers import AutoConfig, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 
     vlm = getattr(AutoConfig.from_pretrained(target), "vision_config", None) is not None
-    return (Qwen3_5ForConditionalGeneration if vlm else Qwen3_5ForCausalLM).from_pretrained(target, dtype=torch.float32).eval()
+    cls = Qwen3_5ForConditionalGeneration if vlm else Qwen3_5ForCausalLM
+    return cls.from_pretrained(target, dtype=torch.float32).eval()
 
 
 def transformers_taps(model, ids: list[int], layers: list[int]) -> torch.Tensor:

@@ -80,8 +80,8 @@ def make_batch(pages, gen: torch.Generator, batch: int, anchors: int, B: int, ma
     """`batch` random cached sequences, each with `anchors` anchor positions in its answer (distinct where it
     has that many, else drawn with replacement): taps [batch, N, width] (float16, zero past a sequence's
     end), the blocks' ids (the anchor, then mask_id), the anchors' positions and the labels [batch,
-    anchors, B] (the tokens from the anchor on, -1 past the end). Built with whole-batch tensor ops: the
-    per-sequence loop it replaced took 0.27 s a step at batch 512 on a 2-core host, serial with the GPU."""
+    anchors, B] (the tokens from the anchor on, -1 past the end). Whole-batch tensor ops, no loop over the
+    sequences: batch making runs serial to the GPU's step (0.075 s at batch 512 x 16 anchors, 2 cores)."""
     from torch.nn.utils.rnn import pad_sequence
 
     pick = torch.randint(len(pages), (batch,), generator=gen).tolist()

@@ -16,8 +16,9 @@ TEXT = FIXTURES / "text_tied"
 # on the CUDA engine's BF16 activations drift from the CPU's fp32 as deep as the tested differences
 # between slots (square means 10% apart at layer 2, the closest pair of slots 19-23%). Measured with
 # transformers over 48 tokens, all in BF16 against fp32: at most 1.6% (second moments), 1.1% (maxima);
-# the closest two slots stay 19% apart, so STATS_TOL also tells every slot's input from another's.
-STATS_TOL = 4e-2
+# the closest two slots stay 19% apart, so STATS_TOL also tells every slot's input from another's (the
+# plain means, 0.5% there, keep the 3% they had before the zeroing).
+STATS_TOL = {"abs_max": 4e-2, "abs_mean": 3e-2, "square_mean": 4e-2, "second_moment": 4e-2}
 OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "down_proj")
 
 
@@ -43,8 +44,8 @@ def check_stats(cpu_slots: list[dict], cuda_slots: list[dict], tokens: int) -> N
     assert len(cpu_slots) == len(cuda_slots) > 1
     for i, (cpu, cuda) in enumerate(zip(cpu_slots, cuda_slots)):
         assert cpu["tokens"] == cuda["tokens"] == tokens
-        for key in ("abs_max", "abs_mean", "square_mean", "second_moment"):
-            assert relerr(cuda[key], cpu[key]) <= STATS_TOL, (i, key)
+        for key, tol in STATS_TOL.items():
+            assert relerr(cuda[key], cpu[key]) <= tol, (i, key)
 
 
 def ids(n=40, seed=3):
