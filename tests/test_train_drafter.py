@@ -128,6 +128,30 @@ def test_training_batches() -> None:
     assert torch.equal(blocks[..., 0], labels[..., 0]) and bool((blocks[..., 1:] == 99).all())
 
 
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="the training recipe needs torch")
+def test_training_waits_for_data_past_the_reuse_limit(tmp_path) -> None:
+    """--max-reuse R: no more than R sequences drawn per cached page; training then waits for new shards
+    (here none come) until its time is spent, and still writes its drafter."""
+    rng = np.random.default_rng(0)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "meta.json").write_text(json.dumps({"layers": [1, 4], "position_ids": "sequence index"}))
+    pages = {}
+    for j in range(16):  # one shard of 16 pages of tiny-vlm: 6 prompt tokens, 14 answer tokens, 2 taps
+        pages[f"{j}/ids"] = rng.integers(0, 1000, 20).astype(np.int32)
+        pages[f"{j}/prompt_len"] = np.int32(6)
+        pages[f"{j}/taps"] = rng.standard_normal((20, 2 * 128)).astype(np.float16)
+    np.savez(data / "shard-00000.npz", **pages)
+    with recipe_module("train") as train:
+        train.main(["--target", str(PACKAGE_MODELS / "tiny-vlm"), "--data", str(data), "--out", str(tmp_path / "run"),
+                    "--block-size", "4", "--batch", "4", "--anchors", "2", "--max-reuse", "2", "--steps", "0",
+                    "--minutes", "0.05", "--log-every", "1", "--threads", "1"])
+    log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    steps = [r for r in log if "ce" in r]
+    assert [r["step"] for r in steps] == list(range(1, 9))  # 2 x 16 pages / 4 per step
+    assert (tmp_path / "run" / "drafter" / "model.safetensors").is_file()
+
+
 def test_engine_uses_the_model_directorys_drafter_by_default(tmp_path) -> None:
     model = tmp_path / "tiny-vlm"
     shutil.copytree(PACKAGE_MODELS / "tiny-vlm", model)

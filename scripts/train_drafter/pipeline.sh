@@ -7,8 +7,9 @@
 #
 #   scripts/train_drafter/pipeline.sh TARGET WORK RESULTS [MINUTES]
 #
-# Env (defaults): PYTHON (python3), DEVICE (cuda), LAYERS ("2 6 7": ocria-mini's, see README), BLOCK (16), NUM_LAYERS (2), BATCH (64), ANCHORS (16),
-# LR (6e-4), WORKERS (cores - 2), EVAL_PAGES (48), MIN_SHARDS (4: cached before the first step).
+# Env (defaults): PYTHON (python3), DEVICE (cuda), LAYERS ("2 6 7": ocria-mini's, see README), BLOCK (16), NUM_LAYERS (2), BATCH (16), ANCHORS (16),
+# LR (1e-3), MAX_REUSE (16: sequences drawn per cached page at most; train.py waits for data.py's pages beyond it),
+# WORKERS (cores - 2), EVAL_PAGES (48), MIN_SHARDS (4: cached before the first step).
 set -euo pipefail
 TARGET=${1:?usage: pipeline.sh TARGET WORK RESULTS [MINUTES]}
 WORK=${2:?usage: pipeline.sh TARGET WORK RESULTS [MINUTES]}
@@ -36,8 +37,8 @@ until [ -f "$first" ]; do
   sleep 2
 done
 "$PYTHON" "$HERE/train.py" --target "$TARGET" --data "$WORK/data" --out "$WORK/run" --device "$DEVICE" \
-  --block-size "$BLOCK" --num-layers "${NUM_LAYERS:-2}" --batch "${BATCH:-64}" --anchors "${ANCHORS:-16}" \
-  --lr "${LR:-6e-4}" --steps 0 --minutes "$MINUTES" --ckpt-every 500 --log-every 100 > "$RESULTS/train.log" 2>&1
+  --block-size "$BLOCK" --num-layers "${NUM_LAYERS:-2}" --batch "${BATCH:-16}" --anchors "${ANCHORS:-16}" \
+  --lr "${LR:-1e-3}" --max-reuse "${MAX_REUSE:-16}" --steps 0 --minutes "$MINUTES" --ckpt-every 500 --log-every 100 > "$RESULTS/train.log" 2>&1
 wait $data_pid || true
 tail -1 "$RESULTS/data.log"
 tail -2 "$RESULTS/train.log"
