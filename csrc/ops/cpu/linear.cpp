@@ -1,4 +1,5 @@
 #include <array>
+#include <cstring>
 #include <vector>
 
 #include "core/float_convert.h"
@@ -76,11 +77,67 @@ void dequantize_row(const LinearWeight& w, int64_t n, int64_t K, float* out) {
   }
 }
 
+// The dot products of a tile of MB token rows by NB weight rows. Every out[m][n] is summed the same
+// way whatever the tile (kLanes partial sums over k = lane (mod kLanes), the lanes added pairwise, then
+// the remainder), so a token's outputs do not depend on how many tokens share the call: a verify of
+// B tokens gives bit for bit the logits of B decode steps. Built for AVX-512, AVX2 + FMA and plain
+// x86-64 and picked once at load time (target_clones), where the compiler supports it.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
+#define OCRIA_RT_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define OCRIA_RT_CPU_CLONES
+#endif
+
+constexpr int64_t kLanes = 16;
+typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
+
+// result[m * stride + n] = x[m] . w[n] for MB x NB rows.
+template <int MB, int NB>
+__attribute__((always_inline)) inline void dot_tile(const float* const* x, const float* const* w, int64_t K, float* result,
+                                                  int64_t stride) {
+  Lanes acc[MB][NB] = {};
+  const int64_t K_lanes = K - K % kLanes;
+  for (int64_t k = 0; k < K_lanes; k += kLanes) {
+    Lanes xv[MB], wv[NB];
+    for (int m = 0; m < MB; ++m) std::memcpy(&xv[m], x[m] + k, sizeof(Lanes));
+    for (int n = 0; n < NB; ++n) std::memcpy(&wv[n], w[n] + k, sizeof(Lanes));
+    for (int m = 0; m < MB; ++m)
+      for (int n = 0; n < NB; ++n) acc[m][n] += xv[m] * wv[n];
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int n = 0; n < NB; ++n) {
+      float tail = 0;
+      for (int64_t k = K_lanes; k < K; ++k) tail += x[m][k] * w[n][k];
+      Lanes v = acc[m][n];
+      for (int half = kLanes / 2; half >= 1; half /= 2)  // lanes added pairwise: log2(kLanes) dependent adds
+        for (int l = 0; l < half; ++l) v[l] += v[l + half];
+      result[m * stride + n] = v[0] + tail;
+    }
+}
+
+// result[m * kTile + n] = x[m] . w[n] for m < mb, n < nb (both at most kTile), in tiles that keep
+// several independent FMA chains going: 4 x 2 (8 accumulators) for 4 tokens, 1 x 4 for fewer.
+constexpr int64_t kTile = 4;
+OCRIA_RT_CPU_CLONES
+void dot_tile(const float* const* x, int64_t mb, const float* const* w, int64_t nb, int64_t K, float* result) {
+  if (mb == kTile && nb == kTile) {
+    dot_tile<4, 4>(x, w, K, result, kTile);
+    return;
+  }
+  for (int64_t m = 0; m < mb; ++m) {
+    if (nb == kTile) {
+      dot_tile<1, 4>(x + m, w, K, result + m * kTile, kTile);
+      continue;
+    }
+    for (int64_t n = 0; n < nb; ++n) dot_tile<1, 1>(x + m, w + n, K, result + m * kTile + n, kTile);
+  }
+}
+
 }  // namespace
 
 // out[m, n] = sum_k (x[m, k] * input_scale[k]) * W[n, k] (+ bias[n]). Threads split the output
-// features; each weight row is streamed once (a quantized one dequantized to fp32 first) and reused
-// for every token row while it is in cache.
+// features in tiles of kTile; each tile's weight rows are streamed once (quantized ones dequantized to
+// fp32 first) and reused for every token row while they are in cache.
 void CpuBackend::linear(const Tensor& x, const LinearWeight& w, const Tensor& out) {
   expect_cpu_f32(x, "linear input");
   expect_cpu_f32(out, "linear output");
@@ -100,28 +157,30 @@ void CpuBackend::linear(const Tensor& x, const LinearWeight& w, const Tensor& ou
   auto x_row = [&](int64_t m) -> const float* { return scaled_x.empty() ? row_f32(x, m) : scaled_x.data() + m * K; };
 
   const float* bias = w.bias.defined() ? w.bias.ptr<const float>() : nullptr;
-  constexpr int64_t kRowBlock = 8;  // token rows sharing one pass over a weight row
+  const int64_t n_tiles = (N + kTile - 1) / kTile;
 #pragma omp parallel num_threads(threads_)
   {
-    std::vector<float> dequantized(w.quantized() ? size_t(K) : 0);
+    std::vector<float> dequantized(w.quantized() ? size_t(kTile * K) : 0);
 #pragma omp for schedule(static)
-    for (int64_t n = 0; n < N; ++n) {
-      const float* wr = w.weight.ptr<const float>() + n * K;
-      if (w.quantized()) {
-        dequantize_row(w, n, K, dequantized.data());
-        wr = dequantized.data();
-      }
-      for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
-        const int64_t mb = std::min(kRowBlock, M - m0);
-        float acc[kRowBlock] = {};
-        for (int64_t j = 0; j < mb; ++j) {
-          const float* xr = x_row(m0 + j);
-          float s = 0;
-#pragma omp simd reduction(+ : s)
-          for (int64_t k = 0; k < K; ++k) s += xr[k] * wr[k];
-          acc[j] = s;
+    for (int64_t t = 0; t < n_tiles; ++t) {
+      const int64_t n0 = t * kTile, nb = std::min(kTile, N - n0);
+      const float* w_rows[kTile];
+      for (int64_t j = 0; j < nb; ++j) {
+        w_rows[j] = w.weight.ptr<const float>() + (n0 + j) * K;
+        if (w.quantized()) {
+          dequantize_row(w, n0 + j, K, dequantized.data() + j * K);
+          w_rows[j] = dequantized.data() + j * K;
         }
-        for (int64_t j = 0; j < mb; ++j) row_f32(out, m0 + j)[n] = acc[j] + (bias ? bias[n] : 0.0f);
+      }
+      for (int64_t m0 = 0; m0 < M; m0 += kTile) {  // the weight rows stay in cache for every token
+        const int64_t mb = std::min(kTile, M - m0);
+        const float* x_rows[kTile];
+        for (int64_t i = 0; i < mb; ++i) x_rows[i] = x_row(m0 + i);
+        float result[kTile * kTile];
+        dot_tile(x_rows, mb, w_rows, nb, K, result);
+        for (int64_t i = 0; i < mb; ++i)
+          for (int64_t j = 0; j < nb; ++j)
+            row_f32(out, m0 + i)[n0 + j] = result[i * kTile + j] + (bias ? bias[n0 + j] : 0.0f);
       }
     }
   }
