@@ -45,7 +45,8 @@ RELOAD_EVERY = 20
 # pages a second: a 7-minute run at batch 256 saw each page ~100 times, reached top-1 0.90 on its batches
 # and 0.06 on held-out pages (tau 1.08): it learned the pages, not the target. --max-reuse R keeps the
 # sequences drawn under R per cached page (training waits for new shards), the regime of the CPU runs
-# (~25 per page) whose held-out accuracy equalled the training batches'.
+# (~25 per page) whose held-out accuracy equalled the training batches'. On a GPU R = 20 at batch 16 was
+# not enough (top-1 0.59 on the batches, 0.16 held out; bench/results/h100-drafter-reuse20).
 
 
 def target_tables(target: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
