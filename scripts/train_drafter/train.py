@@ -234,6 +234,14 @@ def main(argv=None) -> None:
         tmp.replace(ckpt_path)
         model.save(args.out / "drafter")
 
+    def pick_up_new_shards() -> None:
+        nonlocal shards
+        now = len(shard_files(args.data))
+        if now != shards:  # data.py has added shards
+            pages.extend(load_cache(args.data, shards, now))
+            shards = now
+            print(f"{len(pages)} cached pages at step {step}", flush=True)
+
     drawn = 0  # sequences drawn by this run (a resume starts again: its pages were drawn from before)
     waited = 0.0
     acc: dict[str, torch.Tensor] = {}  # the logged means' sums, on the device until they are printed
@@ -252,10 +260,7 @@ def main(argv=None) -> None:
                 break
             time.sleep(1.0)
             waited += 1.0
-            now = len(shard_files(args.data))
-            if now != shards:
-                pages += load_cache(args.data, shards, now)
-                shards = now
+            pick_up_new_shards()
             continue
         drawn += args.batch
         batch = make_batch(pages, gen, args.batch, args.anchors, B, spec.mask_token_id)
@@ -283,11 +288,7 @@ def main(argv=None) -> None:
         if step % args.ckpt_every == 0 or step == stop_at or out_of_time:
             save()
         if step % RELOAD_EVERY == 0:
-            now = len(shard_files(args.data))
-            if now != shards:  # data.py has added shards
-                pages += load_cache(args.data, shards, now)
-                shards = now
-                print(f"{len(pages)} cached pages at step {step}", flush=True)
+            pick_up_new_shards()
         if out_of_time:
             print(f"time budget spent at step {step}; rerun to resume", flush=True)
             break

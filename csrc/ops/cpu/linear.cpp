@@ -116,7 +116,8 @@ __attribute__((always_inline)) inline void dot_tile(const float* const* x, const
 }
 
 // result[m * kTile + n] = x[m] . w[n] for m < mb, n < nb (both at most kTile), in tiles that keep
-// several independent FMA chains going: 4 x 2 (8 accumulators) for 4 tokens, 1 x 4 for fewer.
+// several independent FMA chains going: 4 x 4 (16 accumulators) for 4 tokens and rows, 1 x 4 for fewer
+// tokens, one dot product at a time for the last rows.
 constexpr int64_t kTile = 4;
 OCRIA_RT_CPU_CLONES
 void dot_tile(const float* const* x, int64_t mb, const float* const* w, int64_t nb, int64_t K, float* result) {
