@@ -113,11 +113,10 @@ def test_training_batches() -> None:
     for n, prompt in ((40, 10), (30, 25), (60, 5)):  # 29, 4 and 54 anchor positions
         pages.append({"ids": torch.from_numpy(rng.integers(0, 100, n)), "prompt_len": prompt,
                       "taps": torch.from_numpy(rng.standard_normal((n, 6)).astype(np.float16))})
+    pick = [2, 0, 1, 1, 2, 0, 0, 2, 1, 2, 0, 1]
     with recipe_module("train") as train:
-        gen = torch.Generator().manual_seed(3)
-        taps, blocks, anchors, labels = train.make_batch(pages, gen, 12, 8, 5, 99)
-    pick = torch.randint(len(pages), (12,), generator=torch.Generator().manual_seed(3)).tolist()
-    assert len(set(pick)) == 3 and taps.shape == (12, 60, 6) and labels.shape == blocks.shape == (12, 8, 5)
+        taps, blocks, anchors, labels = train.make_batch(pages, pick, torch.Generator().manual_seed(3), 8, 5, 99)
+    assert taps.shape == (12, 60, 6) and labels.shape == blocks.shape == (12, 8, 5)
     for s, i in enumerate(pick):
         ids, start, n = pages[i]["ids"], pages[i]["prompt_len"], len(pages[i]["ids"])
         at = anchors[s].tolist()
@@ -129,9 +128,29 @@ def test_training_batches() -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="the training recipe needs torch")
+def test_batches_draw_the_least_drawn_pages_first() -> None:
+    """Every page is drawn once before any is drawn twice, a page added later comes before the others
+    are drawn again, and no draw passes max_reuse (None instead; the counts then stay as they were)."""
+    import torch
+
+    with recipe_module("train") as train:
+        gen = torch.Generator().manual_seed(0)
+        draws = torch.zeros(10)
+        firsts = torch.cat([train.draw_pages(draws, gen, 4, 2) for _ in range(2)])
+        assert len(set(firsts.tolist())) == 8 and sorted(draws.tolist()) == [0, 0] + [1] * 8
+        draws = torch.cat([draws, torch.zeros(3)])  # three new pages
+        undrawn = {i for i in range(13) if draws[i] == 0}  # the 2 pages not drawn yet and the 3 new ones
+        assert set(train.draw_pages(draws, gen, 4, 2).tolist()) < undrawn and draws.max() == 1
+        while (pick := train.draw_pages(draws, gen, 4, 2)) is not None:
+            assert draws.max() <= 2
+        assert draws.sum() == 24 and draws.max() == 2  # 26 draws allowed; the last batch of 4 did not fit
+        assert len(train.draw_pages(torch.zeros(3), gen, 5, 0)) == 5  # no limit: pages repeat in a batch
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="the training recipe needs torch")
 def test_training_waits_for_data_past_the_reuse_limit(tmp_path) -> None:
-    """--max-reuse R: no more than R sequences drawn per cached page; training then waits for new shards
-    (here none come) until its time is spent, and still writes its drafter."""
+    """--max-reuse R: no cached page drawn more than R times; training then waits for new shards (here
+    none come) until its time is spent, and still writes its drafter."""
     rng = np.random.default_rng(0)
     data = tmp_path / "data"
     data.mkdir()

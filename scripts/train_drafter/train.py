@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Trains a DFlash2 drafter on data.py's cache; resumable; writes the drafter in z-lab's format.
 
-Each step takes --batch cached sequences and --anchors random anchor positions in each sequence's
+Each step takes --batch cached sequences (the least-drawn first, so that every page is drawn once
+before any is drawn twice and new pages come first) and --anchors random anchor positions in each sequence's
 output; every anchor's block [anchor, mask x (B - 1)] is trained in parallel under one mask: the block
 sees the context strictly before its anchor and itself (bidirectionally), never the other blocks.
 Loss: cross-entropy at block positions k = 1 .. B-1 weighted exp(-(k - 1) / gamma), plus the
@@ -10,7 +11,8 @@ last slot when missing), its predecessor being the gold token before it (the anc
 AdamW with linear warmup and cosine decay over --steps. The run directory holds ckpt.pt (model,
 optimizer, step, RNG), log.jsonl and drafter/ (config.json + model.safetensors, rewritten at every
 checkpoint); a rerun with the same --out resumes from ckpt.pt. Shards that data.py adds while training
-runs are picked up every RELOAD_EVERY steps.
+runs are picked up every RELOAD_EVERY steps. Several caches (--data DIR DIR ..., e.g. of data.py
+processes with other --seed values) train as one.
 
     python scripts/train_drafter/train.py --target python/ocria_rt/models/ocria-mini --data runs/d/data \
         --out runs/d --steps 3000 --minutes 25
@@ -41,12 +43,14 @@ GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # SpecForge's decay per block size; else B /
 # steps), a 5-minute GPU run trained on its first 80 pages alone and learned them by heart (train
 # tau 12.2, held-out top-1 2%; bench/results/h100-drafter-memorized).
 RELOAD_EVERY = 20
-# MAX_REUSE_NOTE: on a GPU the drafter trains on ~1,500 sequences a second while 13 host cores draw ~15
-# pages a second: a 7-minute run at batch 256 saw each page ~100 times, reached top-1 0.90 on its batches
-# and 0.06 on held-out pages (tau 1.08): it learned the pages, not the target. --max-reuse R keeps the
-# sequences drawn under R per cached page (training waits for new shards), the regime of the CPU runs
-# (~25 per page) whose held-out accuracy equalled the training batches'. On a GPU R = 20 at batch 16 was
-# not enough (top-1 0.59 on the batches, 0.16 held out; bench/results/h100-drafter-reuse20).
+# MAX_REUSE_NOTE: a drafter learns the pages it sees many times instead of the target. On the CPU, 480
+# pages drawn 20 times each (batch 4, block 8) gave top-1 0.47 at k = 1 on those pages and 0.13 on
+# held-out ones; 5,280 pages drawn ~23 times each held out as well as they trained. On a GPU the
+# drafter trains far faster than data.py adds pages, and uniform draws over a growing cache drew its
+# first pages far more often than the average: at batch 256 for 7 minutes each page was drawn ~100
+# times (top-1 0.90 on the batches, 0.06 held out; bench/results/h100-drafter-batch256), and an
+# average of 20 was not enough either (bench/results/h100-drafter-reuse20). Hence: the least-drawn
+# pages first, no page past --max-reuse, and several data.py processes (pipeline.sh's PRODUCERS).
 
 
 def target_tables(target: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
@@ -77,20 +81,33 @@ def load_cache(data: Path, first_shard: int = 0, end_shard: int | None = None) -
              for index, p in enumerate(read_cache(data, shards=slice(first_shard, end_shard)),
                                        first_shard * SHARD_PAGES)
              if len(p["ids"]) - p["prompt_len"] >= 2]  # at least one anchor with a label
-    if not pages and first_shard == 0:
-        raise SystemExit(f"no usable cached pages in {data} (run data.py first)")
     return pages
 
 
-def make_batch(pages, gen: torch.Generator, batch: int, anchors: int, B: int, mask_id: int):
-    """`batch` random cached sequences, each with `anchors` anchor positions in its answer (distinct where it
+def draw_pages(draws: torch.Tensor, gen: torch.Generator, batch: int, max_reuse: float) -> torch.Tensor | None:
+    """The pages of the next batch: the least-drawn first (random order among equals), so that pages
+    data.py has just added are drawn before any other page is drawn again; None when that would draw a
+    page more than max_reuse times (0: no limit; training then waits for new pages). draws [pages]
+    counts each page's sequences so far and is updated."""
+    n = len(draws)
+    order = (draws + torch.rand(n, generator=gen)).argsort()  # uniform in [0, 1): ties broken at random
+    pick = order[torch.arange(batch) % n]  # more sequences than pages: some pages twice
+    after = draws.index_add(0, pick, torch.ones(batch))
+    if max_reuse and float(after.max()) > max_reuse:
+        return None
+    draws.copy_(after)
+    return pick
+
+
+def make_batch(pages, pick: list[int], gen: torch.Generator, anchors: int, B: int, mask_id: int):
+    """The cached sequences `pick`, each with `anchors` anchor positions in its answer (distinct where it
     has that many, else drawn with replacement): taps [batch, N, width] (float16, zero past a sequence's
     end), the blocks' ids (the anchor, then mask_id), the anchors' positions and the labels [batch,
     anchors, B] (the tokens from the anchor on, -1 past the end). Whole-batch tensor ops, no loop over the
     sequences: batch making runs serial to the GPU's step (0.075 s at batch 512 x 16 anchors, 2 cores)."""
     from torch.nn.utils.rnn import pad_sequence
 
-    pick = torch.randint(len(pages), (batch,), generator=gen).tolist()
+    batch = len(pick)
     lens = torch.tensor([len(pages[i]["ids"]) for i in pick])
     start = torch.tensor([int(pages[i]["prompt_len"]) for i in pick])
     ids = pad_sequence([pages[i]["ids"] for i in pick], batch_first=True, padding_value=-1)  # [batch, N]
@@ -142,7 +159,8 @@ def losses(model: DFlash2Drafter, head: torch.Tensor, hidden, labels, gamma: flo
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", type=Path, required=True)
-    ap.add_argument("--data", type=Path, required=True, help="data.py's cache directory")
+    ap.add_argument("--data", type=Path, nargs="+", required=True,
+                    help="data.py's cache directories (e.g. of data.py processes with other --seed values)")
     ap.add_argument("--out", type=Path, required=True, help="run directory (resumed when it holds ckpt.pt)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--num-layers", type=int, default=1)
@@ -159,7 +177,7 @@ def main(argv=None) -> None:
     ap.add_argument("--run-steps", type=int, default=0, help="stop (with a checkpoint) after this many steps of this run")
     ap.add_argument("--batch", type=int, default=4, help="sequences per step")
     ap.add_argument("--max-reuse", type=float, default=0.0,
-                    help="wait for data.py's new shards rather than draw more than this many sequences per cached page "
+                    help="wait for data.py's new shards rather than draw any cached page more than this many times "
                          "(0: no limit); see MAX_REUSE_NOTE")
     ap.add_argument("--anchors", type=int, default=16, help="blocks per sequence per step")
     ap.add_argument("--lr", type=float, default=6e-4)
@@ -176,9 +194,16 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
 
     embed, head, final_scale, text = target_tables(args.target)
-    meta = json.loads((args.data / "meta.json").read_text())
-    shards = len(shard_files(args.data))
-    pages = load_cache(args.data, 0, shards)
+    metas = [json.loads((d / "meta.json").read_text()) for d in args.data]
+    for d, m in zip(args.data[1:], metas[1:]):
+        if (m["layers"], m["position_ids"]) != (metas[0]["layers"], metas[0]["position_ids"]):
+            raise SystemExit(f"{d} taps layers {m['layers']} ({m['position_ids']}), {args.data[0]} "
+                             f"{metas[0]['layers']} ({metas[0]['position_ids']})")
+    meta = metas[0]
+    shards = [len(shard_files(d)) for d in args.data]  # complete shards read, per cache
+    pages = [p for d, n in zip(args.data, shards) for p in load_cache(d, 0, n)]
+    if not pages:
+        raise SystemExit(f"no usable cached pages in {', '.join(map(str, args.data))} (run data.py first)")
     H, V = int(text["hidden_size"]), int(text["vocab_size"])
     mask_id = args.mask_token_id
     if mask_id < 0:
@@ -221,7 +246,7 @@ def main(argv=None) -> None:
     embed_in = (embed * float(spec.extra.get("input_embedding_scale", 1.0))).to(args.device)
     head = head.to(args.device)
     log = (args.out / "log.jsonl").open("a")
-    run_args = vars(args) | {"target": str(args.target), "data": str(args.data), "out": str(args.out)}
+    run_args = vars(args) | {"target": str(args.target), "data": [str(d) for d in args.data], "out": str(args.out)}
     if ck is None:
         log.write(json.dumps({"start": run_args, "pages": len(pages), "spec": dataclasses.asdict(spec)}) + "\n")
     else:  # a resume may change the schedule (--steps) or the threads
@@ -235,14 +260,17 @@ def main(argv=None) -> None:
         model.save(args.out / "drafter")
 
     def pick_up_new_shards() -> None:
-        nonlocal shards
-        now = len(shard_files(args.data))
-        if now != shards:  # data.py has added shards
-            pages.extend(load_cache(args.data, shards, now))
-            shards = now
+        nonlocal draws
+        for i, d in enumerate(args.data):
+            now = len(shard_files(d))
+            if now != shards[i]:  # data.py has added shards
+                pages.extend(load_cache(d, shards[i], now))
+                shards[i] = now
+        if len(pages) != len(draws):
+            draws = torch.cat([draws, torch.zeros(len(pages) - len(draws))])
             print(f"{len(pages)} cached pages at step {step}", flush=True)
 
-    drawn = 0  # sequences drawn by this run (a resume starts again: its pages were drawn from before)
+    draws = torch.zeros(len(pages))  # sequences drawn per page by this run (a resume counts again)
     waited = 0.0
     acc: dict[str, torch.Tensor] = {}  # the logged means' sums, on the device until they are printed
     n_acc = 0
@@ -253,7 +281,8 @@ def main(argv=None) -> None:
         lr = args.lr * min(1.0, (step + 1) / args.warmup) * 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
         for g in opt.param_groups:
             g["lr"] = lr
-        if args.max_reuse and drawn + args.batch > args.max_reuse * len(pages):
+        pick = draw_pages(draws, gen, args.batch, args.max_reuse)
+        if pick is None:
             if time.perf_counter() - t0 > 60 * args.minutes:
                 print(f"time budget spent waiting for data at step {step}", flush=True)
                 save()
@@ -262,8 +291,7 @@ def main(argv=None) -> None:
             waited += 1.0
             pick_up_new_shards()
             continue
-        drawn += args.batch
-        batch = make_batch(pages, gen, args.batch, args.anchors, B, spec.mask_token_id)
+        batch = make_batch(pages, pick.tolist(), gen, args.anchors, B, spec.mask_token_id)
         taps, block_ids, anchor_pos, labels = (t.to(args.device, non_blocking=True) for t in batch)
         taps = taps.float()
         hidden = model(taps, block_ids, anchor_pos, embed_in)
@@ -279,7 +307,8 @@ def main(argv=None) -> None:
         n_acc += 1
         if step % args.log_every == 0 or step == args.steps:
             rec = {"step": step, "lr": lr, **{k: round(float(v) / n_acc, 4) for k, v in acc.items()},
-                   "pages": len(pages), "waited_s": waited, "elapsed_s": round(time.perf_counter() - t0, 1)}
+                   "pages": len(pages), "draws_mean": round(float(draws.mean()), 2),
+                   "draws_max": int(draws.max()), "waited_s": waited, "elapsed_s": round(time.perf_counter() - t0, 1)}
             log.write(json.dumps(rec) + "\n")
             log.flush()
             print(rec, flush=True)
