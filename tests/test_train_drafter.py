@@ -151,16 +151,7 @@ def test_batches_draw_the_least_drawn_pages_first() -> None:
 def test_training_waits_for_data_past_the_reuse_limit(tmp_path) -> None:
     """--max-reuse R: no cached page drawn more than R times; training then waits for new shards (here
     none come) until its time is spent, and still writes its drafter."""
-    rng = np.random.default_rng(0)
-    data = tmp_path / "data"
-    data.mkdir()
-    (data / "meta.json").write_text(json.dumps({"layers": [1, 4], "position_ids": "sequence index"}))
-    pages = {}
-    for j in range(16):  # one shard of 16 pages of tiny-vlm: 6 prompt tokens, 14 answer tokens, 2 taps
-        pages[f"{j}/ids"] = rng.integers(0, 1000, 20).astype(np.int32)
-        pages[f"{j}/prompt_len"] = np.int32(6)
-        pages[f"{j}/taps"] = rng.standard_normal((20, 2 * 128)).astype(np.float16)
-    np.savez(data / "shard-00000.npz", **pages)
+    data = random_cache(tmp_path / "data")
     with recipe_module("train") as train:
         train.main(["--target", str(PACKAGE_MODELS / "tiny-vlm"), "--data", str(data), "--out", str(tmp_path / "run"),
                     "--block-size", "4", "--batch", "4", "--anchors", "2", "--max-reuse", "2", "--steps", "0",
@@ -168,7 +159,43 @@ def test_training_waits_for_data_past_the_reuse_limit(tmp_path) -> None:
     log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     steps = [r for r in log if "ce" in r]
     assert [r["step"] for r in steps] == list(range(1, 9))  # 2 x 16 pages / 4 per step
+    assert steps[-1]["draws_max"] == 2 and steps[-1]["draws_mean"] == 2.0
     assert (tmp_path / "run" / "drafter" / "model.safetensors").is_file()
+
+
+def random_cache(data: Path, seed: int = 0) -> Path:
+    """A data.py cache of one shard: 16 pages of tiny-vlm, 6 prompt tokens, 14 answer tokens, 2 taps."""
+    rng = np.random.default_rng(seed)
+    data.mkdir()
+    (data / "meta.json").write_text(json.dumps({"layers": [1, 4], "position_ids": "sequence index"}))
+    pages = {}
+    for j in range(16):
+        pages[f"{j}/ids"] = rng.integers(0, 1000, 20).astype(np.int32)
+        pages[f"{j}/prompt_len"] = np.int32(6)
+        pages[f"{j}/taps"] = rng.standard_normal((20, 2 * 128)).astype(np.float16)
+    np.savez(data / "shard-00000.npz", **pages)
+    return data
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="the training recipe needs torch")
+def test_training_goes_on_from_a_drafter_over_several_caches(tmp_path) -> None:
+    """--init DIR starts from DIR's weights (at learning rate 0 they stay DIR's); --data takes several
+    caches (32 pages here); a checkpoint to resume and --init together are refused."""
+    from safetensors.numpy import load_file
+
+    caches = [str(random_cache(tmp_path / f"data-{i}", seed=i)) for i in range(2)]
+    common = ["--target", str(PACKAGE_MODELS / "tiny-vlm"), "--block-size", "4", "--batch", "4", "--anchors", "2",
+              "--steps", "4", "--log-every", "1", "--threads", "1"]
+    with recipe_module("train") as train:
+        train.main([*common, "--data", caches[0], "--out", str(tmp_path / "a")])
+        train.main([*common, "--data", *caches, "--out", str(tmp_path / "b"), "--init", str(tmp_path / "a" / "drafter"),
+                    "--lr", "0"])
+        with pytest.raises(SystemExit, match="--init starts a run"):
+            train.main([*common, "--data", caches[0], "--out", str(tmp_path / "b"), "--init", str(tmp_path / "a")])
+    a, b = (load_file(str(tmp_path / r / "drafter" / "model.safetensors")) for r in "ab")
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    start = json.loads((tmp_path / "b" / "log.jsonl").read_text().splitlines()[0])
+    assert start["pages"] == 32 and start["start"]["init"] == str(tmp_path / "a" / "drafter")
 
 
 def test_engine_uses_the_model_directorys_drafter_by_default(tmp_path) -> None:

@@ -10,9 +10,10 @@ selector's K-way cross-entropy over the top-K candidates of each position (the g
 last slot when missing), its predecessor being the gold token before it (the anchor at k = 1).
 AdamW with linear warmup and cosine decay over --steps. The run directory holds ckpt.pt (model,
 optimizer, step, RNG), log.jsonl and drafter/ (config.json + model.safetensors, rewritten at every
-checkpoint); a rerun with the same --out resumes from ckpt.pt. Shards that data.py adds while training
-runs are picked up every RELOAD_EVERY steps. Several caches (--data DIR DIR ..., e.g. of data.py
-processes with other --seed values) train as one.
+checkpoint); a rerun with the same --out resumes from ckpt.pt; --init DIR starts from a drafter's
+weights (e.g. a run's drafter/ carried to another machine, to go on over new pages). Shards that
+data.py adds while training runs are picked up every RELOAD_EVERY steps. Several caches (--data DIR
+DIR ..., e.g. of data.py processes with other --seed values) train as one.
 
     python scripts/train_drafter/train.py --target python/ocria_rt/models/ocria-mini --data runs/d/data \
         --out runs/d --steps 3000 --minutes 25
@@ -162,6 +163,9 @@ def main(argv=None) -> None:
     ap.add_argument("--data", type=Path, nargs="+", required=True,
                     help="data.py's cache directories (e.g. of data.py processes with other --seed values)")
     ap.add_argument("--out", type=Path, required=True, help="run directory (resumed when it holds ckpt.pt)")
+    ap.add_argument("--init", type=Path,
+                    help="start from this drafter (z-lab's format, e.g. an earlier run's drafter/; its shape, not the "
+                         "options below) with a new optimizer and schedule: training goes on over other pages")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--num-layers", type=int, default=1)
     ap.add_argument("--num-heads", type=int, default=4)
@@ -216,8 +220,15 @@ def main(argv=None) -> None:
         # on the host: load_state_dict moves the model's and the optimizer's tensors to the model's device
         ck = torch.load(ckpt_path, weights_only=False, map_location="cpu")
         spec = DrafterSpec(**ck["spec"])
+        if args.init:
+            raise SystemExit(f"--init starts a run; {ckpt_path} is one to resume (another --out, or no --init)")
+    elif args.init:  # weights only: the optimizer and the schedule start again
+        ck = None
+        init = DFlash2Drafter.load(args.init)
+        spec = init.spec
     else:
         ck = None
+        init = None
         spec = DrafterSpec(
             hidden_size=H, vocab_size=V, num_target_layers=int(text["num_hidden_layers"]),
             target_layer_ids=list(meta["layers"]), mask_token_id=mask_id, block_size=args.block_size,
@@ -238,6 +249,9 @@ def main(argv=None) -> None:
         gen.set_state(ck["gen"])
         step = ck["step"]
         print(f"resumed at step {step}", flush=True)
+    elif init is not None:
+        model.load_state_dict(init.state_dict())
+        print(f"weights from {args.init}", flush=True)
     else:  # the drafter's hidden states start at the scale of the target's final ones
         with torch.no_grad():
             model.norm.weight.copy_(final_scale)
@@ -246,7 +260,8 @@ def main(argv=None) -> None:
     embed_in = (embed * float(spec.extra.get("input_embedding_scale", 1.0))).to(args.device)
     head = head.to(args.device)
     log = (args.out / "log.jsonl").open("a")
-    run_args = vars(args) | {"target": str(args.target), "data": [str(d) for d in args.data], "out": str(args.out)}
+    run_args = vars(args) | {"target": str(args.target), "data": [str(d) for d in args.data], "out": str(args.out),
+                             "init": args.init and str(args.init)}
     if ck is None:
         log.write(json.dumps({"start": run_args, "pages": len(pages), "spec": dataclasses.asdict(spec)}) + "\n")
     else:  # a resume may change the schedule (--steps) or the threads
