@@ -2,9 +2,10 @@
 """Trains a DFlash2 drafter on data.py's cache; resumable; writes the drafter in z-lab's format.
 
 Each step takes --batch cached sequences (the least-drawn first, so that every page is drawn once
-before any is drawn twice and new pages come first) and --anchors random anchor positions in each sequence's
-output; every anchor's block [anchor, mask x (B - 1)] is trained in parallel under one mask: the block
-sees the context strictly before its anchor and itself (bidirectionally), never the other blocks.
+before any is drawn twice and new pages come first) and --anchors random anchor positions in each
+sequence's output; every anchor's block [anchor, mask x (B - 1)] is trained in parallel under one
+mask: the block sees the context strictly before its anchor and itself (bidirectionally), never the
+other blocks.
 Loss: cross-entropy at block positions k = 1 .. B-1 weighted exp(-(k - 1) / gamma), plus the
 selector's K-way cross-entropy over the top-K candidates of each position (the gold token put in the
 last slot when missing), its predecessor being the gold token before it (the anchor at k = 1).
