@@ -141,7 +141,7 @@ def test_batches_draw_the_least_drawn_pages_first() -> None:
         draws = torch.cat([draws, torch.zeros(3)])  # three new pages
         undrawn = {i for i in range(13) if draws[i] == 0}  # the 2 pages not drawn yet and the 3 new ones
         assert set(train.draw_pages(draws, gen, 4, 2).tolist()) < undrawn and draws.max() == 1
-        while (pick := train.draw_pages(draws, gen, 4, 2)) is not None:
+        while train.draw_pages(draws, gen, 4, 2) is not None:
             assert draws.max() <= 2
         assert draws.sum() == 24 and draws.max() == 2  # 26 draws allowed; the last batch of 4 did not fit
         assert len(train.draw_pages(torch.zeros(3), gen, 5, 0)) == 5  # no limit: pages repeat in a batch

@@ -79,6 +79,8 @@ def main(argv=None) -> None:
     embed = embed * float(model.spec.extra.get("input_embedding_scale", 1.0))
     # pages by their index in the cache, as evaluate.py --data --start picks them
     pages = [p for p in train.load_cache(args.data) if args.start <= p["index"] < args.start + args.pages]
+    if not pages:
+        raise SystemExit(f"no usable cached pages in {args.data} from index {args.start} (run data.py first)")
     B = model.spec.block_size
     hits, counts, steps = np.zeros(B - 1), np.zeros(B - 1), []
     for page in pages:
