@@ -11,7 +11,9 @@
 # Env (defaults): PYTHON (python3), DEVICE (cuda), LAYERS ("2 6 7": ocria-mini's, see README), BLOCK (16), NUM_LAYERS (2), BATCH (16), ANCHORS (16),
 # LR (1e-3), MAX_REUSE (4: draws of a cached page at most; train.py waits for data.py's pages beyond it),
 # PRODUCERS (4: data.py processes), WORKERS (cores - 2: page-drawing processes, shared among them),
-# EVAL_PAGES (48), MIN_SHARDS (4: cached by the first data.py before the first step).
+# EVAL_PAGES (48), MIN_SHARDS (4: cached by the first data.py before the first step),
+# INIT (none: a drafter whose weights the run starts from, train.py --init), SEED_BASE (0: producer p
+# draws synthdoc seed SEED_BASE + p; a run that goes on from an earlier one takes seeds it has not seen).
 set -euo pipefail
 TARGET=${1:?usage: pipeline.sh TARGET WORK RESULTS [MINUTES]}
 WORK=${2:?usage: pipeline.sh TARGET WORK RESULTS [MINUTES]}
@@ -32,8 +34,9 @@ mkdir -p "$WORK" "$RESULTS"
   --pages "$EVAL_PAGES" --device "$DEVICE" --workers "$WORKERS" > "$RESULTS/heldout.log" 2>&1
 data_pids=()
 caches=()
+SEED_BASE=${SEED_BASE:-0}
 for p in $(seq 0 $(( PRODUCERS - 1 ))); do
-  "$PYTHON" "$HERE/data.py" --target "$TARGET" --out "$WORK/data-$p" --seed "$p" --layers $LAYERS --pages 1000000 \
+  "$PYTHON" "$HERE/data.py" --target "$TARGET" --out "$WORK/data-$p" --seed $(( SEED_BASE + p )) --layers $LAYERS --pages 1000000 \
     --device "$DEVICE" --workers $(( WORKERS / PRODUCERS > 0 ? WORKERS / PRODUCERS : 1 )) --minutes "$MINUTES" \
     > "$RESULTS/data-$p.log" 2>&1 &
   data_pids+=($!)
@@ -47,7 +50,8 @@ until [ -f "$first" ]; do
 done
 "$PYTHON" "$HERE/train.py" --target "$TARGET" --data "${caches[@]}" --out "$WORK/run" --device "$DEVICE" \
   --block-size "$BLOCK" --num-layers "${NUM_LAYERS:-2}" --batch "${BATCH:-16}" --anchors "${ANCHORS:-16}" \
-  --lr "${LR:-1e-3}" --max-reuse "${MAX_REUSE:-4}" --steps 0 --minutes "$MINUTES" --ckpt-every 500 --log-every 100 > "$RESULTS/train.log" 2>&1
+  --lr "${LR:-1e-3}" --max-reuse "${MAX_REUSE:-4}" --steps 0 --minutes "$MINUTES" --ckpt-every 500 --log-every 100 ${INIT:+--init "$INIT"} \
+  > "$RESULTS/train.log" 2>&1
 wait "${data_pids[@]}" || true
 for p in $(seq 0 $(( PRODUCERS - 1 ))); do tail -1 "$RESULTS/data-$p.log"; done
 tail -2 "$RESULTS/train.log"
