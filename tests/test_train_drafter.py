@@ -228,3 +228,27 @@ def test_engine_uses_the_model_directorys_drafter_by_default(tmp_path) -> None:
         assert bool(json.loads(out.getvalue())["acceptance_lengths"]) == speculative
     with pytest.raises(SystemExit):
         cli.main(["generate", "--model", str(model), "--prompt", "x", "--drafter", str(model / "drafter"), "--no-drafter"])
+
+
+def test_the_model_directorys_drafter_is_on_by_default_only_on_the_devices_its_config_names(tmp_path) -> None:
+    model = tmp_path / "tiny-vlm"
+    shutil.copytree(PACKAGE_MODELS / "tiny-vlm", model)
+    shutil.copytree(TRAINED, model / "drafter")
+    config = json.loads((model / "drafter" / "config.json").read_text())
+
+    def default_on(section: object) -> bool:
+        (model / "drafter" / "config.json").write_text(json.dumps({**config, "ocria_rt": section}))
+        return ocria_rt.Engine(model, num_threads=1).drafter_dir == model / "drafter"
+
+    assert not default_on({"default_devices": ["cuda"]})
+    assert default_on({"default_devices": ["cuda", "cpu"]})
+    assert default_on({})  # no list: every device
+    # asked for by name, it loads wherever its config says it is on by default
+    (model / "drafter" / "config.json").write_text(json.dumps({**config, "ocria_rt": {"default_devices": []}}))
+    assert ocria_rt.Engine(model, num_threads=1, drafter=model / "drafter").drafter_dir == model / "drafter"
+    for bad in ({"default_devices": "cuda"}, {"default_devices": [0]}, ["cuda"]):
+        with pytest.raises(ocria_rt.OcriaError, match=r'drafter/config.json: "ocria_rt".* must be'):
+            default_on(bad)
+    (model / "drafter" / "config.json").write_text("{")
+    with pytest.raises(ocria_rt.OcriaError, match=r"drafter/config.json: not a readable JSON file"):
+        ocria_rt.Engine(model, num_threads=1)

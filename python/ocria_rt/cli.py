@@ -11,7 +11,8 @@ from .errors import OcriaError
 
 DRAFTER_HELP = ("speculative decoding with this DFlash / DFlash2 drafter directory (z-lab's format), trained for "
                 "the model: the same output (on CUDA up to BF16 near ties), fewer target passes when its drafts are "
-                "accepted; default: the model directory's own drafter/, if any")
+                "accepted; default: the model directory's own drafter/, if any, on the devices its config.json "
+                "names in \"ocria_rt\": {\"default_devices\": [...]} (all without it)")
 
 
 def _add_drafter_args(p: argparse.ArgumentParser) -> None:

@@ -48,6 +48,29 @@ class GenerationResult:
         return n / self.decode_seconds if n > 0 and self.decode_seconds > 0 else 0.0
 
 
+def _default_drafter(model_dir: Path, device: str) -> Path | None:
+    """The model directory's own drafter/ where it is on by default: on the devices (by kind: "cpu",
+    "cuda") that its config.json lists in "ocria_rt": {"default_devices": [...]}, else on every one."""
+    config_path = model_dir / "drafter" / "config.json"
+    if not config_path.is_file():
+        return None
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelError(f"{config_path}: not a readable JSON file ({e})") from e
+    section = config.get("ocria_rt", {}) if isinstance(config, dict) else {}
+    if not isinstance(section, dict):
+        raise ModelError(f'{config_path}: "ocria_rt" must be an object such as {{"default_devices": ["cuda"]}}, '
+                         f'got {section!r}')
+    devices = section.get("default_devices")
+    if devices is None:
+        return config_path.parent
+    if not (isinstance(devices, list) and all(isinstance(d, str) for d in devices)):
+        raise ModelError(f'{config_path}: "ocria_rt": {{"default_devices": ...}} must be a list of device '
+                         f'kinds such as ["cuda"], got {devices!r}')
+    return config_path.parent if device.split(":")[0] in devices else None
+
+
 class Engine:
     """A Qwen3.5 text model loaded on one device.
 
@@ -58,7 +81,9 @@ class Engine:
     then drafts blocks and verifies them with the model (speculative decoding), with the same tokens
     (greedy; on CUDA up to near ties of the two best logits, which BF16 rounding can order differently
     in a verify step and a decode step) or the same distribution (sampling) as without it. None: the
-    model directory's own `drafter/` subdirectory when it has one; False: none.
+    model directory's own `drafter/` subdirectory when it has one and is on by default on this device
+    (its config.json's "ocria_rt": {"default_devices": ["cuda", ...]}, where it was measured to pay;
+    every device without that list); False: none.
     """
 
     def __init__(
@@ -88,8 +113,8 @@ class Engine:
         from . import default_model_dir
 
         self.model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
-        if drafter is None and (self.model_dir / "drafter" / "config.json").is_file():
-            drafter = self.model_dir / "drafter"
+        if drafter is None:
+            drafter = _default_drafter(self.model_dir, device)
         elif drafter is False:
             drafter = None
         elif drafter is True:

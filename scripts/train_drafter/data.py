@@ -116,7 +116,8 @@ def main(argv=None) -> None:
         raise SystemExit(f"{meta_path} was written for other options: {meta_path.read_text()}")
     meta_path.write_text(json.dumps(meta, indent=1) + "\n")
 
-    eng = ocria_rt.Engine(args.target, device=args.device, num_threads=args.threads)
+    # plain decoding: the target's own greedy answers, with no drafter of its own on this device either
+    eng = ocria_rt.Engine(args.target, device=args.device, num_threads=args.threads, drafter=False)
     t0 = time.perf_counter()
     shard: list[dict] = []
     done = 0

@@ -1,4 +1,4 @@
-"""The shipped pair on CUDA (ocria-mini with models/ocria-mini-drafter; tests/test_shipped_drafter.py
+"""The shipped pair on CUDA (ocria-mini with its drafter/, on by default there; tests/test_shipped_drafter.py
 is the CPU's test): on the same 12 held-out pages speculative greedy emits plain greedy's tokens, or
 parts from them where plain decoding's two best logits are a BF16 near tie (scripts/train_drafter/
 evaluate.py on an H100: 10 of 200 pages parted, each at a margin of at most 0.125), and the acceptance
@@ -21,7 +21,8 @@ NEAR_TIE = 0.25  # logits; BF16 steps are 0.0625 at the top logits' size (8-16)
 
 
 def test_the_shipped_pair_is_lossless_up_to_near_ties_on_cuda():
-    eng = ocria_rt.Engine(device="cuda", drafter=DRAFTER)
+    eng = ocria_rt.Engine(device="cuda")
+    assert eng.drafter_dir == DRAFTER
     config, _ = heldout_page_config(ocria_rt.default_model_dir())
     accepted: list[int] = []
     for image, _, meta in iter_dataset("heldout", 12, 5, config):
