@@ -4,6 +4,7 @@ held-out pages, and its acceptance length does not fall below what it was measur
 import json
 
 import ocria_rt
+from ocria_rt import cli
 from ocria_rt.synthdoc import evaluate, heldout_page_config
 
 DRAFTER = ocria_rt.default_model_dir() / "drafter"
@@ -13,13 +14,15 @@ TAU_MEASURED = 3.34
 TAU_FLOOR = TAU_MEASURED - 0.25
 
 
-def test_the_drafter_is_on_by_default_on_cuda_only_and_reads_the_models_taps():
+def test_the_drafter_is_on_by_default_on_cuda_only_and_reads_the_models_taps(capsys):
     cfg = json.loads((DRAFTER / "config.json").read_text())
     assert cfg["dflash_config"]["target_layer_ids"] == [2, 6, 7]
     # on the CPU a verify step costs more than it saves (README, Limitations): asked for by name only
     assert cfg["ocria_rt"]["default_devices"] == ["cuda"]
     assert ocria_rt.Engine(num_threads=1).drafter_dir is None
     assert ocria_rt.Engine(num_threads=1, drafter=DRAFTER).drafter_dir == DRAFTER
+    assert cli.main(["eval", "--pages", "1", "--compare-plain", "--threads", "1"]) == 2
+    assert f"off by default on cpu (its config.json's default_devices); name it: --drafter {DRAFTER}" in capsys.readouterr().err
 
 
 def test_the_shipped_drafter_is_lossless_and_keeps_its_acceptance_length():

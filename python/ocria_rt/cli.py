@@ -266,6 +266,10 @@ def _eval(args: argparse.Namespace) -> int:
     if not eng.config.get("has_vision"):
         raise InvalidArgumentError(f"model '{eng.model_dir}' has no vision encoder: eval needs a VLM")
     if args.compare_plain and eng.drafter_dir is None:
+        own = eng.model_dir / "drafter"
+        if (own / "config.json").is_file() and not args.no_drafter:
+            raise InvalidArgumentError(f"--compare-plain needs a drafter: the model's own is off by default on "
+                                       f"{args.device} (its config.json's default_devices); name it: --drafter {own}")
         raise InvalidArgumentError("--compare-plain needs a drafter (--drafter DIR, or the model's own drafter/)")
     r = evaluate(eng, n_pages=args.pages, seed=args.seed, config=cfg, max_new_tokens=args.max_new_tokens,
                  progress=args.progress, compare_plain=args.compare_plain)
