@@ -27,7 +27,8 @@ struct EngineOptions {
   bool cuda_graphs = true;      // CUDA backend: replay the decode step as one captured graph
   int64_t max_image_patches = 16384;  // VLMs: vision-encoder patches per call (16384 = a 2048 x 2048 page)
   // Speculative decoding: a DFlash or DFlash2 drafter directory in z-lab's format (config.json with
-  // dflash_config, model.safetensors) trained for this target; "" for none. CPU backend only for now.
+  // dflash_config, model.safetensors) trained for this target; "" for none. The C++ engine loads only
+  // the drafter named here; the Python Engine names a model directory's own drafter/ by default.
   std::string drafter;
   // Calibration (ocria_rt.quantize): the backend's ops pass through an observer that can collect
   // statistics of the decoder linears' inputs (Engine::observe_linear_inputs). Such an engine replays
