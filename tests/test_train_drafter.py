@@ -250,5 +250,5 @@ def test_the_model_directorys_drafter_is_on_by_default_only_on_the_devices_its_c
         with pytest.raises(ocria_rt.OcriaError, match=r'drafter/config.json: "ocria_rt".* must be'):
             default_on(bad)
     (model / "drafter" / "config.json").write_text("{")
-    with pytest.raises(ocria_rt.OcriaError, match=r"drafter/config.json: not a readable JSON file"):
+    with pytest.raises(ocria_rt.OcriaError, match=r"drafter/config.json' is not valid JSON"):
         ocria_rt.Engine(model, num_threads=1)

@@ -36,8 +36,8 @@ import numpy as np
 
 from . import _core
 from .errors import FileError, InvalidArgumentError, ModelError
-from .preprocess import (DEFAULT_MAX_IMAGE_PIXELS, ImageProcessorConfig, decoder_error, num_image_tokens,
-                         preprocess_image)
+from .preprocess import (DEFAULT_MAX_IMAGE_PIXELS, ImageProcessorConfig, _read_json, decoder_error,
+                         num_image_tokens, preprocess_image)
 
 Message = Mapping[str, Any]
 
@@ -54,15 +54,6 @@ def _model_dir(model_dir_or_engine: Any) -> Path:
             f"expected a model directory or an Engine, got {type(model_dir_or_engine).__name__}"
         )
     return Path(d)
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise FileError(f"cannot read '{path}': {e.strerror or e}") from e
-    except (ValueError, UnicodeDecodeError) as e:
-        raise FileError(f"'{path}' is not valid JSON: {e}") from e
 
 
 def _pick_template(value: Any, source: Path) -> str:

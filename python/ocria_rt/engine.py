@@ -13,6 +13,7 @@ import numpy as np
 
 from . import _core
 from .errors import FileError, InvalidArgumentError, ModelError
+from .preprocess import _read_json
 
 Prompt = str | Sequence[int] | np.ndarray
 
@@ -54,10 +55,7 @@ def _default_drafter(model_dir: Path, device: str) -> Path | None:
     config_path = model_dir / "drafter" / "config.json"
     if not config_path.is_file():
         return None
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelError(f"{config_path}: not a readable JSON file ({e})") from e
+    config = _read_json(config_path)
     section = config.get("ocria_rt", {}) if isinstance(config, dict) else {}
     if not isinstance(section, dict):
         raise ModelError(f'{config_path}: "ocria_rt" must be an object such as {{"default_devices": ["cuda"]}}, '
